@@ -1,0 +1,3 @@
+"""aether-agent: the node agent of the aether service mesh."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,232 @@
+"""Which pods are captured and how: a pure function of pod, namespace and node defaults.
+
+Names and precedence follow proposal 022 (seeds/003): managed pods only; redirect-all from
+the node default unless the pod annotation overrides it either way; exclusions are carved out
+ahead of the redirect; a malformed entry never stops the rest and is always reported.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from agent.config import NodeConfig
+from agent.source.model import NamespaceMeta, PodMeta
+
+MANAGED_LABEL = "aether.io/managed"
+ANN_REDIRECT_ALL = "capture.aether.io/redirect-all"
+ANN_EXCLUDE_PORTS = "capture.aether.io/exclude-outbound-ports"
+ANN_EXCLUDE_RANGES = "capture.aether.io/exclude-outbound-ip-ranges"
+
+#: Always returned before the redirect: loopback, link-local (cloud metadata), multicast.
+BUILTIN_EXCLUDED_V4 = ("127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4")
+BUILTIN_EXCLUDED_V6 = ("::1/128", "fe80::/10", "ff00::/8")
+
+MAX_ENTRIES = 1024
+
+
+@dataclass(frozen=True)
+class AnnotationProblem:
+    """One rejected annotation entry; becomes a warning log and a pod Event."""
+
+    annotation: str
+    entry: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.annotation}: {self.entry!r} rejected ({self.reason})"
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """Everything the rule renderer needs for one pod; stored in the state file."""
+
+    redirect_all: bool
+    capture_port: int
+    mesh_port: int
+    mark: int
+    mark_mask: int
+    exclude_ports: tuple[tuple[int, int], ...] = ()
+    exclude_v4: tuple[str, ...] = ()
+    exclude_v6: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return "redirect-all" if self.redirect_all else "scoped"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "redirect_all": self.redirect_all,
+            "capture_port": self.capture_port,
+            "mesh_port": self.mesh_port,
+            "mark": self.mark,
+            "mark_mask": self.mark_mask,
+            "exclude_ports": [list(r) for r in self.exclude_ports],
+            "exclude_v4": list(self.exclude_v4),
+            "exclude_v6": list(self.exclude_v6),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> CapturePolicy:
+        ports = data.get("exclude_ports") or []
+        assert isinstance(ports, list)
+        return cls(
+            redirect_all=bool(data["redirect_all"]),
+            capture_port=int(str(data["capture_port"])),
+            mesh_port=int(str(data["mesh_port"])),
+            mark=int(str(data["mark"])),
+            mark_mask=int(str(data["mark_mask"])),
+            exclude_ports=tuple((int(a), int(b)) for a, b in ports),
+            exclude_v4=tuple(str(x) for x in data.get("exclude_v4") or []),  # type: ignore[attr-defined]
+            exclude_v6=tuple(str(x) for x in data.get("exclude_v6") or []),  # type: ignore[attr-defined]
+        )
+
+
+@dataclass(frozen=True)
+class CaptureDecision:
+    captured: bool
+    reason: str
+    policy: CapturePolicy | None = None
+    problems: tuple[AnnotationProblem, ...] = field(default_factory=tuple)
+
+
+def _split(value: str) -> list[str]:
+    return [p.strip() for p in value.replace("\n", ",").split(",") if p.strip()]
+
+
+def parse_ports(value: str) -> tuple[tuple[tuple[int, int], ...], list[AnnotationProblem]]:
+    """'5432, 8000-8010' → merged inclusive ranges; bad entries reported, never raised."""
+    ranges: list[tuple[int, int]] = []
+    problems: list[AnnotationProblem] = []
+    entries = _split(value)
+    for i, entry in enumerate(entries):
+        if i >= MAX_ENTRIES:
+            problems.append(
+                AnnotationProblem(ANN_EXCLUDE_PORTS, entry, f"more than {MAX_ENTRIES} entries")
+            )
+            continue
+        lo_s, sep, hi_s = entry.partition("-")
+        try:
+            lo = int(lo_s.strip(), 10)
+            hi = int(hi_s.strip(), 10) if sep else lo
+        except ValueError:
+            problems.append(AnnotationProblem(ANN_EXCLUDE_PORTS, entry, "not a port number"))
+            continue
+        if not (1 <= lo <= 65535 and 1 <= hi <= 65535):
+            problems.append(AnnotationProblem(ANN_EXCLUDE_PORTS, entry, "port out of 1-65535"))
+            continue
+        if hi < lo:
+            problems.append(AnnotationProblem(ANN_EXCLUDE_PORTS, entry, "range end before start"))
+            continue
+        ranges.append((lo, hi))
+    return _merge_ranges(ranges), problems
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def parse_cidrs(
+    value: str,
+) -> tuple[tuple[str, ...], tuple[str, ...], list[AnnotationProblem]]:
+    """Comma-separated CIDRs → collapsed v4 and v6 networks; a bare address is a host route."""
+    v4: list[ipaddress.IPv4Network] = []
+    v6: list[ipaddress.IPv6Network] = []
+    problems: list[AnnotationProblem] = []
+    for i, entry in enumerate(_split(value)):
+        if i >= MAX_ENTRIES:
+            problems.append(
+                AnnotationProblem(ANN_EXCLUDE_RANGES, entry, f"more than {MAX_ENTRIES} entries")
+            )
+            continue
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            problems.append(AnnotationProblem(ANN_EXCLUDE_RANGES, entry, "not an IP address or CIDR"))
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            v4.append(net)
+        else:
+            v6.append(net)
+    return (
+        tuple(str(n) for n in ipaddress.collapse_addresses(v4)),
+        tuple(str(n) for n in ipaddress.collapse_addresses(v6)),
+        problems,
+    )
+
+
+def parse_bool(value: str) -> bool | None:
+    v = value.strip().lower()
+    if v == "true":
+        return True
+    if v == "false":
+        return False
+    return None
+
+
+def _is_agent_pod(pod: PodMeta, node: NodeConfig) -> bool:
+    if pod.namespace != node.agent_namespace:
+        return False
+    return all(pod.labels.get(k) == v for k, v in node.agent_labels.items())
+
+
+def decide(
+    pod: PodMeta,
+    namespace: NamespaceMeta | None,
+    node: NodeConfig,
+    redirect_all_default: bool,
+) -> CaptureDecision:
+    """The capture decision for one pod. Never raises; problems are returned, not dropped."""
+    if pod.namespace in node.system_namespaces:
+        return CaptureDecision(False, f"system namespace {pod.namespace}")
+    if _is_agent_pod(pod, node):
+        return CaptureDecision(False, "the agent's own pod")
+    if pod.host_network:
+        return CaptureDecision(False, "hostNetwork pod")
+    pod_label = pod.labels.get(MANAGED_LABEL, "").strip().lower()
+    ns_label = (namespace.labels if namespace else {}).get(MANAGED_LABEL, "").strip().lower()
+    if pod_label == "false":
+        return CaptureDecision(False, f"pod label {MANAGED_LABEL}=false (opt-out)")
+    if pod_label == "true":
+        why = f"pod label {MANAGED_LABEL}=true"
+    elif ns_label == "true":
+        why = f"namespace label {MANAGED_LABEL}=true"
+    else:
+        return CaptureDecision(False, "not managed (no aether.io/managed=true on pod or namespace)")
+
+    problems: list[AnnotationProblem] = []
+    ann = pod.annotations
+    redirect_all = redirect_all_default
+    if ANN_REDIRECT_ALL in ann:
+        parsed = parse_bool(ann[ANN_REDIRECT_ALL])
+        if parsed is None:
+            problems.append(
+                AnnotationProblem(
+                    ANN_REDIRECT_ALL,
+                    ann[ANN_REDIRECT_ALL],
+                    f"expected \"true\" or \"false\"; node default "
+                    f"({'on' if redirect_all_default else 'off'}) applies",
+                )
+            )
+        else:
+            redirect_all = parsed
+    ports, port_problems = parse_ports(ann.get(ANN_EXCLUDE_PORTS, ""))
+    v4, v6, cidr_problems = parse_cidrs(ann.get(ANN_EXCLUDE_RANGES, ""))
+    problems += port_problems + cidr_problems
+    policy = CapturePolicy(
+        redirect_all=redirect_all,
+        capture_port=node.capture_port,
+        mesh_port=node.mesh_port,
+        mark=node.passthrough_mark,
+        mark_mask=node.passthrough_mark_mask,
+        exclude_ports=ports,
+        exclude_v4=v4,
+        exclude_v6=v6,
+    )
+    return CaptureDecision(True, why, policy, tuple(problems))

@@ -1,0 +1,106 @@
+"""Render a CapturePolicy into the nftables script programmed in the pod netns.
+
+Pure: policy in, text out. The script is one libnftables transaction that creates, deletes
+and re-creates the aether table, so applying it twice is the same as applying it once and a
+pod is never left with half a table. Rule order is the contract:
+mark RETURN → local/builtin RETURNs → annotated RETURNs → redirect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from agent.capture.policy import BUILTIN_EXCLUDED_V4, BUILTIN_EXCLUDED_V6, CapturePolicy
+
+TABLE_FAMILY = "inet"
+TABLE_NAME = "aether"
+CHAIN_NAME = "output"
+
+
+def policy_hash(policy: CapturePolicy) -> str:
+    blob = json.dumps(policy.to_json(), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _set(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else "{ " + ", ".join(items) + " }"
+
+
+def _port(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+def render_rules(policy: CapturePolicy) -> list[str]:
+    """The chain body, one rule a line, in evaluation order."""
+    rules = [
+        f"meta mark & 0x{policy.mark_mask:08x} == 0x{policy.mark:08x} return"
+        ' comment "proxy passthrough mark"',
+        'fib daddr type local return comment "local destination"',
+        f'ip daddr {_set(list(BUILTIN_EXCLUDED_V4))} return comment "loopback, link-local, multicast"',
+        f'ip6 daddr {_set(list(BUILTIN_EXCLUDED_V6))} return comment "loopback, link-local, multicast"',
+    ]
+    if policy.exclude_v4:
+        rules.append(
+            f'ip daddr {_set(list(policy.exclude_v4))} return comment "exclude-outbound-ip-ranges"'
+        )
+    if policy.exclude_v6:
+        rules.append(
+            f'ip6 daddr {_set(list(policy.exclude_v6))} return comment "exclude-outbound-ip-ranges"'
+        )
+    if policy.exclude_ports:
+        ports = [_port(r) for r in policy.exclude_ports]
+        rules.append(f'tcp dport {_set(ports)} return comment "exclude-outbound-ports"')
+    if policy.redirect_all:
+        rules.append(f'meta l4proto tcp redirect to :{policy.capture_port} comment "redirect-all"')
+    else:
+        rules.append(
+            f"tcp dport {policy.mesh_port} redirect to :{policy.capture_port}"
+            ' comment "scoped: mesh port"'
+        )
+    return rules
+
+
+def render_table(policy: CapturePolicy) -> str:
+    """The full table definition (no replace preamble)."""
+    body = "\n".join(f"\t\t{r}" for r in render_rules(policy))
+    return (
+        f"table {TABLE_FAMILY} {TABLE_NAME} {{\n"
+        f'\tcomment "aether capture {policy.mode} policy {policy_hash(policy)}"\n'
+        f"\tchain {CHAIN_NAME} {{\n"
+        "\t\ttype nat hook output priority -100; policy accept;\n"
+        f"{body}\n"
+        "\t}\n"
+        "}\n"
+    )
+
+
+def render_ruleset(policy: CapturePolicy) -> str:
+    """One atomic transaction: ensure the table exists, drop it, define it anew."""
+    return (
+        f"table {TABLE_FAMILY} {TABLE_NAME}\n"
+        f"delete table {TABLE_FAMILY} {TABLE_NAME}\n" + render_table(policy)
+    )
+
+
+def render_delete() -> str:
+    return f"delete table {TABLE_FAMILY} {TABLE_NAME}\n"
+
+
+def normalize_listing(listing: dict[str, Any]) -> list[dict[str, Any]]:
+    """`nft -j list table` output without handles and metainfo, for drift comparison."""
+
+    def strip(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k != "handle"}
+        if isinstance(obj, list):
+            return [strip(v) for v in obj]
+        return obj
+
+    return [strip(o) for o in listing.get("nftables", []) if "metainfo" not in o]
+
+
+def fingerprint(listing: dict[str, Any]) -> str:
+    blob = json.dumps(normalize_listing(listing), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()

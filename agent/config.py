@@ -1,0 +1,37 @@
+"""Node-wide defaults shared by the CNI handler, the rule renderer and the xDS builder.
+
+The passthrough mark is the one value that two sides must agree on: Envoy stamps it on
+passthrough upstream sockets (SO_MARK) and the pod rules RETURN it ahead of the redirect.
+0xAE under mask 0xFF lives in the low byte, clear of kube-proxy (0x4000/0x8000),
+Calico (0xffff0000) and Cilium (0x0f00) marks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CAPTURE_PORT = 15001
+MESH_PORT = 18081
+PASSTHROUGH_MARK = 0xAE
+PASSTHROUGH_MARK_MASK = 0xFF
+DEFAULT_RUN_DIR = "/var/run/aether"
+DEFAULT_SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease", "aether-system")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What the agent was started with; plain data so pure code can take it."""
+
+    node_name: str = "localhost"
+    run_dir: str = DEFAULT_RUN_DIR
+    capture_port: int = CAPTURE_PORT
+    mesh_port: int = MESH_PORT
+    passthrough_mark: int = PASSTHROUGH_MARK
+    passthrough_mark_mask: int = PASSTHROUGH_MARK_MASK
+    system_namespaces: tuple[str, ...] = DEFAULT_SYSTEM_NAMESPACES
+    agent_namespace: str = "aether-system"
+    agent_labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "aether-agent"})
+
+    @property
+    def cni_socket(self) -> str:
+        return f"{self.run_dir}/cni.sock"

@@ -1,0 +1,102 @@
+"""Run a function inside another network namespace, on a thread of its own.
+
+setns(CLONE_NEWNET) changes only the calling thread, so each call gets a fresh thread that
+enters the namespace, does its work and exits; the agent's other threads stay in the host
+netns and no pooled thread can leak a foreign namespace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import stat
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+NS_GET_NSTYPE = 0xB703  # _IO(0xb7, 0x3)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class NetnsError(Exception):
+    """The path is not a usable network namespace."""
+
+
+class NetnsGone(NetnsError):
+    """The namespace no longer exists (path missing)."""
+
+
+def check_netns_path(path: str) -> str:
+    """Resolve and validate a netns path: absolute, existing, and really a network namespace."""
+    if not path or not os.path.isabs(path):
+        raise NetnsError(f"netns path {path!r} is not an absolute path")
+    if "\x00" in path:
+        raise NetnsError("netns path contains a NUL byte")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise NetnsGone(f"netns {path} does not exist") from e
+    except OSError as e:
+        raise NetnsError(f"netns {path} cannot be opened: {e.strerror}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) and not os.path.islink(path):
+            # nsfs files report as regular files; a directory or socket is not a namespace
+            raise NetnsError(f"{path} is not a namespace file")
+        try:
+            nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
+        except OSError as e:
+            raise NetnsError(f"{path} is not a namespace ({e.strerror})") from e
+        if nstype != CLONE_NEWNET:
+            raise NetnsError(f"{path} is a namespace but not a network namespace")
+    finally:
+        os.close(fd)
+    return path
+
+
+def netns_inode(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
+    """Call fn() with the current thread's netns set to `path`; re-raise its exception."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError as e:
+                raise NetnsGone(f"netns {path} does not exist") from e
+            try:
+                _setns(fd)
+            except OSError as e:
+                if e.errno == errno.EINVAL:
+                    raise NetnsError(f"{path} is not a network namespace") from e
+                raise
+            finally:
+                os.close(fd)
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            error.append(e)
+
+    t = threading.Thread(target=worker, name=f"netns:{os.path.basename(path)}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"operation in netns {path} did not finish in {timeout}s")
+    if error:
+        raise error[0]
+    return result[0]

@@ -1,0 +1,88 @@
+"""Program, read and remove the aether table inside a pod netns through libnftables.
+
+No `nft` subprocess: a libnftables context is created inside the target netns (its netlink
+socket binds to the namespace of the thread that opens it) and the whole ruleset goes in as
+one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import nftables
+
+from agent.capture.rules import TABLE_FAMILY, TABLE_NAME, fingerprint, render_delete
+from agent.netns.enter import run_in_netns
+
+
+class NftError(Exception):
+    pass
+
+
+def _ctx() -> nftables.Nftables:
+    nft = nftables.Nftables()
+    nft.set_json_output(False)
+    return nft
+
+
+def _run(script: str) -> str:
+    nft = _ctx()
+    rc, out, err = nft.cmd(script)
+    if rc != 0:
+        raise NftError(err.strip() or f"libnftables returned {rc}")
+    return str(out)
+
+
+def _list_json() -> dict[str, Any] | None:
+    nft = _ctx()
+    nft.set_json_output(True)
+    rc, out, err = nft.cmd(f"list table {TABLE_FAMILY} {TABLE_NAME}")
+    if rc != 0:
+        if "No such file" in err or "does not exist" in err:
+            return None
+        raise NftError(err.strip())
+    data: dict[str, Any] = json.loads(out)
+    return data
+
+
+def apply_ruleset(netns: str, script: str) -> str:
+    """Apply atomically and return the fingerprint of what the kernel now holds."""
+
+    def work() -> str:
+        _run(script)
+        listing = _list_json()
+        if listing is None:
+            raise NftError("table missing right after it was programmed")
+        return fingerprint(listing)
+
+    return run_in_netns(netns, work)
+
+
+def delete_table(netns: str) -> bool:
+    """Remove the aether table; False when there was none."""
+
+    def work() -> bool:
+        if _list_json() is None:
+            return False
+        _run(render_delete())
+        return True
+
+    return run_in_netns(netns, work)
+
+
+def live_fingerprint(netns: str) -> str | None:
+    def work() -> str | None:
+        listing = _list_json()
+        return None if listing is None else fingerprint(listing)
+
+    return run_in_netns(netns, work)
+
+
+def list_table_text(netns: str) -> str | None:
+    def work() -> str | None:
+        nft = _ctx()
+        rc, out, err = nft.cmd(f"list table {TABLE_FAMILY} {TABLE_NAME}")
+        return str(out) if rc == 0 else None
+
+    return run_in_netns(netns, work)

@@ -1,0 +1,66 @@
+"""Plain metadata records that every source (Kubernetes API, manifest directory) produces.
+
+Sources hand out raw Kubernetes JSON objects (dicts); these helpers turn them into the few
+fields the capture decision needs, so the decision stays a pure function of plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PodMeta:
+    namespace: str
+    name: str
+    uid: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    service_account: str = "default"
+    node_name: str = ""
+    host_network: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class NamespaceMeta:
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+def _str_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): "" if v is None else str(v) for k, v in value.items()}
+
+
+def pod_from_object(obj: dict[str, Any]) -> PodMeta:
+    """Kubernetes Pod JSON → PodMeta (missing fields take Kubernetes' defaults)."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    return PodMeta(
+        namespace=str(meta.get("namespace") or "default"),
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        labels=_str_map(meta.get("labels")),
+        annotations=_str_map(meta.get("annotations")),
+        service_account=str(
+            spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+        ),
+        node_name=str(spec.get("nodeName") or ""),
+        host_network=bool(spec.get("hostNetwork") or False),
+    )
+
+
+def namespace_from_object(obj: dict[str, Any]) -> NamespaceMeta:
+    meta = obj.get("metadata") or {}
+    return NamespaceMeta(
+        name=str(meta.get("name") or ""),
+        labels=_str_map(meta.get("labels")),
+        annotations=_str_map(meta.get("annotations")),
+    )

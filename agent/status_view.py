@@ -1,0 +1,50 @@
+"""Human rendering of the status document: a summary first, then tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def render(st: dict[str, Any]) -> str:
+    pods = st.get("pods", [])
+    state = "DEGRADED" if st.get("degraded") else "healthy"
+    lines = [
+        f"aether-agent {st.get('version')} on {st.get('node')}: {state}",
+        f"  uptime {st.get('uptime_s')}s · source: {st.get('source')} · run dir {st.get('run_dir')}",
+        f"  captured pods: {len(pods)}",
+    ]
+    envoy = st.get("envoy")
+    if envoy:
+        lines.append(
+            f"  envoy: pid {envoy.get('pid')} · ready {envoy.get('ready')} · restarts "
+            f"{envoy.get('restarts')} · rss {int(envoy.get('rss_bytes') or 0) // (1 << 20)} MiB"
+            f" · acked {envoy.get('acked_version')} · nacks {envoy.get('nack_count', 0)}"
+        )
+        if envoy.get("last_nack"):
+            lines.append(f"    last NACK: {envoy['last_nack']}")
+    c = st.get("counters", {})
+    lines.append("  cni: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    lines.append("")
+    if pods:
+        rows = [[p["pod"], p["mode"], p["rules"], ",".join(p["exclude_ports"]) or "-",
+                 ",".join(p["exclude_cidrs"]) or "-", ",".join(p["ips"]) or "-"] for p in pods]
+        lines.append(_table(["POD", "MODE", "RULES", "EXCL PORTS", "EXCL CIDRS", "IPS"], rows))
+    warnings = st.get("warnings", [])
+    if warnings:
+        lines.append("")
+        lines.append("warnings:")
+        lines += [f"  {w['pod']}: {w['reason']}: {w['message']}" for w in warnings[-20:]]
+    if st.get("reconcile"):
+        lines.append("")
+        lines.append("at startup:")
+        lines += [f"  {m}" for m in st["reconcile"]]
+    return "\n".join(lines)

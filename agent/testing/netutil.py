@@ -1,0 +1,120 @@
+"""Sockets inside and outside pod namespaces, for tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+
+from agent.netns.enter import run_in_netns
+
+SO_ORIGINAL_DST = 80
+SOL_IPV6 = 41
+SO_MARK = 36
+
+
+def original_dst(conn: socket.socket) -> tuple[str, int]:
+    """The pre-NAT destination of a redirected connection (IPv4 or IPv6)."""
+    if conn.family == socket.AF_INET6:
+        raw = conn.getsockopt(SOL_IPV6, SO_ORIGINAL_DST, 28)
+        port = struct.unpack_from("!H", raw, 2)[0]
+        addr = socket.inet_ntop(socket.AF_INET6, raw[8:24])
+        return addr, port
+    raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    port = struct.unpack_from("!H", raw, 2)[0]
+    return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
+
+
+def _listen(family: int, addr: str, port: int) -> socket.socket:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    s.bind((addr, port))
+    s.listen(128)
+    return s
+
+
+@dataclass
+class Recorder:
+    """Accepts on some sockets, answers a tag, records (peer, original dst)."""
+
+    tag: bytes
+    sockets: list[socket.socket]
+    seen: list[tuple[str, tuple[str, int]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Recorder:
+        for s in self.sockets:
+            threading.Thread(target=self._loop, args=(s,), daemon=True).start()
+        return self
+
+    def _loop(self, s: socket.socket) -> None:
+        s.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, peer = s.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                self.seen.append((peer[0], original_dst(conn)))
+            except OSError:
+                self.seen.append((peer[0], ("", 0)))
+            try:
+                conn.sendall(self.tag)
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self.sockets:
+            s.close()
+
+
+def capture_listener(netns: str, port: int = 15001) -> Recorder:
+    """A stand-in for Envoy: listens on the capture port inside the pod netns."""
+
+    def make() -> list[socket.socket]:
+        return [_listen(socket.AF_INET, "127.0.0.1", port),
+                _listen(socket.AF_INET6, "::1", port)]
+
+    return Recorder(b"captured", run_in_netns(netns, make)).start()
+
+
+def host_server(port: int = 0, tag: bytes = b"direct") -> tuple[Recorder, int]:
+    """A server in the host netns on every address; returns it and its port."""
+    s4 = _listen(socket.AF_INET, "0.0.0.0", port)
+    port = s4.getsockname()[1]
+    s6 = _listen(socket.AF_INET6, "::", port)
+    return Recorder(tag, [s4, s6]).start(), port
+
+
+def netns_server(netns: str, addr: str, port: int, tag: bytes) -> Recorder:
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    return Recorder(tag, [run_in_netns(netns, lambda: _listen(fam, addr, port))]).start()
+
+
+def dial(netns: str, addr: str, port: int, mark: int | None = None,
+         timeout: float = 2.0) -> str:
+    """Connect from inside netns and return what the server answered, or the error name."""
+
+    def work() -> str:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            if mark is not None:
+                s.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+            s.connect((addr, port))
+            data = s.recv(64)
+            return data.decode() or "eof"
+        except OSError as e:
+            return f"error:{type(e).__name__}:{e.errno}"
+        finally:
+            s.close()
+
+    return run_in_netns(netns, work)

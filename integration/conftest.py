@@ -1,0 +1,168 @@
+"""Fixtures for root-only integration tests: a node's CNI runtime and a running agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.cni import protocol
+from agent.testing.kubelet import Kubelet, Pod
+
+assert os.geteuid() == 0, "integration tests need root (real netns, nftables, Envoy)"
+
+SUBNET4 = "10.213.0.0/24"
+SUBNET6 = "fd00:a3e1::/64"
+GW4 = "10.213.0.1"
+GW6 = "fd00:a3e1::1"
+
+
+class AgentProc:
+    """`aether-agent run` as users start it, in a subprocess, with a manifest directory."""
+
+    def __init__(self, workdir: str, envoy: bool = False, extra: list[str] | None = None) -> None:
+        self.workdir = workdir
+        self.run_dir = os.path.join(workdir, "run")
+        self.manifests = os.path.join(workdir, "manifests")
+        os.makedirs(self.manifests, exist_ok=True)
+        self.envoy = envoy
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(workdir, "agent.log")
+        self.write("namespaces.yaml", [
+            {"apiVersion": "v1", "kind": "Namespace",
+             "metadata": {"name": "app", "labels": {"aether.io/managed": "true"}}},
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "plain"}},
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system"}},
+        ])
+
+    @property
+    def socket(self) -> str:
+        return os.path.join(self.run_dir, "cni.sock")
+
+    def write(self, name: str, objects: list[dict[str, Any]]) -> None:
+        with open(os.path.join(self.manifests, name), "w") as f:
+            yaml.safe_dump_all(objects, f)
+
+    def add_pod(self, pod: Pod, labels: dict[str, str] | None = None,
+                annotations: dict[str, str] | None = None) -> None:
+        self.write(f"pod-{pod.namespace}-{pod.name}.yaml", [{
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                         "labels": labels or {}, "annotations": annotations or {}},
+            "spec": {"nodeName": "test-node", "serviceAccountName": "default"},
+        }])
+
+    def start(self) -> AgentProc:
+        cmd = [sys.executable, "-m", "agent.cli", "run", "--manifests", self.manifests,
+               "--node-name", "test-node", "--run-dir", self.run_dir, "--log-format", "json",
+               "--log-level", "debug"]
+        if not self.envoy:
+            cmd.append("--no-envoy")
+        cmd += self.extra
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(os.path.join(self.run_dir, "status.sock")):
+                try:
+                    self.status()
+                    return self
+                except OSError:
+                    pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited {self.proc.returncode}: {self.logs()[-3000:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"agent did not come up: {self.logs()[-3000:]}")
+
+    def stop(self, sig: int = 15) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def status(self) -> dict[str, Any]:
+        answer = protocol.call(os.path.join(self.run_dir, "status.sock"), {"command": "status"}, 10)
+        st: dict[str, Any] = answer["status"]
+        return st
+
+    def logs(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_records(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.logs().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+@pytest.fixture(scope="session")
+def bridge_name() -> Iterator[str]:
+    name = f"aetbr{uuid.uuid4().hex[:6]}"
+    yield name
+    subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="aether-it-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Node:
+    """A kubelet and an agent sharing one workdir; cleans every pod it made."""
+
+    def __init__(self, workdir: str, bridge: str, envoy: bool = False,
+                 redirect_all_default: bool = True, agent_extra: list[str] | None = None) -> None:
+        self.agent = AgentProc(workdir, envoy=envoy, extra=agent_extra)
+        self.kubelet = Kubelet(workdir, bridge, SUBNET4, SUBNET6, {
+            "agent_socket": self.agent.socket,
+            "capture_redirect_all_default": redirect_all_default,
+        })
+        self.pods: list[Pod] = []
+
+    def pod(self, namespace: str = "app", name: str | None = None,
+            labels: dict[str, str] | None = None,
+            annotations: dict[str, str] | None = None) -> Pod:
+        pod = self.kubelet.new_pod(namespace, name or f"p-{uuid.uuid4().hex[:6]}")
+        self.agent.add_pod(pod, labels, annotations)
+        self.pods.append(pod)
+        return pod
+
+    def add(self, pod: Pod) -> dict[str, Any]:
+        return self.kubelet.add(pod)
+
+    def cleanup(self) -> None:
+        for pod in self.pods:
+            try:
+                self.kubelet.delete(pod)
+            except Exception:  # noqa: BLE001 - best effort teardown
+                subprocess.run(["ip", "netns", "del", pod.netns_name], check=False,
+                               capture_output=True)
+
+
+@pytest.fixture
+def node(workdir: str, bridge_name: str) -> Iterator[Node]:
+    n = Node(workdir, bridge_name)
+    n.agent.start()
+    yield n
+    n.cleanup()
+    n.agent.stop()
