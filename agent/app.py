@@ -50,6 +50,13 @@ class Agent:
         self.store.load()
         if self.store.load_problem:
             self.reconcile_report.append(self.store.load_problem)
+        live = [p for p in self.store.all() if os.path.exists(p.netns)]
+        preload = getattr(self.sink, "preload", None)
+        if callable(preload):
+            preload(live)
+        start = getattr(self.sink, "start", None)
+        if callable(start):
+            start()
         self.reconcile()
         self.cni_server.start()
         self.status_server.start()
@@ -59,6 +66,9 @@ class Agent:
     def stop(self) -> None:
         self.cni_server.stop()
         self.status_server.stop()
+        stop = getattr(self.sink, "stop", None)
+        if callable(stop):
+            stop()
         self.stopped.set()
 
     def reconcile(self) -> None:

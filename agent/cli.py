@@ -76,7 +76,6 @@ def run(
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout)
-        sink.start()
     agent = Agent(node, source, sink)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -84,8 +83,6 @@ def run(
     agent.start()
     done.wait()
     agent.stop()
-    if sink is not None:
-        sink.stop()
 
 
 def _ask_status(run_dir: str) -> dict[str, Any]:

@@ -124,7 +124,19 @@ def bridge_name() -> Iterator[str]:
 def workdir() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="aether-it-")
     yield d
-    shutil.rmtree(d, ignore_errors=True)
+    if not os.environ.get("AETHER_KEEP_WORKDIR"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_no_tentative(dev: str, timeout: float = 10.0) -> None:
+    """The bridge's IPv6 gateway address is usable only once DAD is done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ip", "-6", "addr", "show", "dev", dev, "tentative"],
+                             capture_output=True, text=True, check=False).stdout
+        if not out.strip():
+            return
+        time.sleep(0.05)
 
 
 class Node:
@@ -148,7 +160,9 @@ class Node:
         return pod
 
     def add(self, pod: Pod) -> dict[str, Any]:
-        return self.kubelet.add(pod)
+        result = self.kubelet.add(pod)
+        wait_no_tentative(self.kubelet.conflist["plugins"][0]["bridge"])
+        return result
 
     def cleanup(self) -> None:
         for pod in self.pods:

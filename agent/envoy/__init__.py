@@ -1,1 +1,1 @@
-"""envoy"""
+"""Node-shared Envoy: xDS resources, bootstrap, ADS server and process supervisor."""

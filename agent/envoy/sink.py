@@ -1,0 +1,212 @@
+"""The node Envoy as the CNI handler's listener sink: xDS server + supervised Envoy.
+
+ADD returns only once Envoy has ACKed a config holding the pod's listener; a NACK or a
+timeout fails the ADD (fail closed). An Envoy left running by a previous agent process is
+adopted (its pid is recorded in the run dir) so an agent restart never drops live listeners.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from agent.config import NodeConfig
+from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
+from agent.envoy.resources import NodeXdsState, PodListener
+from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
+from agent.envoy.xds import XdsServer
+from agent.state import CapturedPod
+
+log = logging.getLogger("aether.envoy")
+
+
+class ListenerNotConfirmed(Exception):
+    pass
+
+
+def listener_name(pod: CapturedPod) -> str:
+    return f"capture-{pod.container_id}"
+
+
+class EnvoySink:
+    def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int = 15000,
+                 ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 2) -> None:
+        self.node = node
+        self.ack_timeout = ack_timeout
+        self.dir = os.path.join(node.run_dir, "envoy")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.xds_socket = os.path.join(node.run_dir, "xds.sock")
+        self.bootstrap_path = os.path.join(self.dir, "bootstrap.json")
+        self.pid_path = os.path.join(self.dir, "envoy.pid")
+        self.admin = f"127.0.0.1:{admin_port}"
+        write_bootstrap(self.bootstrap_path, build_bootstrap(
+            node.node_name, self.xds_socket, admin_port, delta=delta))
+        self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
+        self.log_path = os.path.join(self.dir, "envoy.log")
+        self.supervisor = EnvoySupervisor(binary, self.bootstrap_path, self.admin,
+                                          concurrency=concurrency, log_file=self.log_path,
+                                          use_keeper=True)
+        self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
+        self._pods: dict[str, PodListener] = {}
+        self._lock = threading.Lock()
+        self._adopted: psutil.Process | None = None
+        self._adopt_watch: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def preload(self, pods: list[CapturedPod]) -> None:
+        """Pods recorded by a previous agent: served from the first snapshot, so a
+        reconnecting Envoy is told nothing changed (no listener drained and re-bound)."""
+        with self._lock:
+            for pod in pods:
+                self._pods[pod.container_id] = PodListener(uid=pod.container_id,
+                                                           netns_path=pod.netns)
+
+    def start(self) -> None:
+        self.supervisor.check_version()
+        self.xds.start()
+        self._publish()  # an empty (or restored) snapshot so Envoy's first fetch completes
+        self.tailer.start()
+        old = self._previous_envoy()
+        if old is not None:
+            log.info("adopting envoy pid=%d left running by the previous agent", old.pid)
+            self._adopted = old
+            self._adopt_watch = threading.Thread(target=self._watch_adopted, daemon=True)
+            self._adopt_watch.start()
+        else:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self.supervisor.start()
+        pid = self.supervisor.child_pid
+        if pid is not None:
+            with open(self.pid_path, "w") as f:
+                f.write(str(pid))
+
+    def _previous_envoy(self) -> psutil.Process | None:
+        try:
+            with open(self.pid_path) as f:
+                pid = int(f.read().strip())
+            proc = psutil.Process(pid)
+            if self.bootstrap_path in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc
+        except (OSError, ValueError, psutil.Error):
+            pass
+        return None
+
+    def _watch_adopted(self) -> None:
+        """Supervise an adopted Envoy by polling; when it dies, start our own."""
+        while not self._stopping.wait(0.2):
+            proc = self._adopted
+            if proc is None:
+                return
+            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                log.error("adopted envoy pid=%d exited; starting a new one", proc.pid)
+                self._adopted = None
+                self._spawn()
+                return
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready():
+                return True
+            time.sleep(0.1)
+        return False
+
+    def ready(self) -> bool:
+        from agent.envoy.supervisor import admin_request
+        try:
+            code, body = admin_request(self.admin, "GET", "/ready", timeout=1.0)
+        except OSError:
+            return False
+        return code == 200 and body.strip() == "LIVE"
+
+    def stop(self) -> None:
+        self._stopping.set()
+        adopted = self._adopted
+        if adopted is not None:
+            try:
+                adopted.terminate()
+                adopted.wait(5)
+            except psutil.Error:
+                pass
+        self.supervisor.stop()
+        self.xds.stop()
+        self.tailer.stop()
+        try:
+            os.unlink(self.pid_path)
+        except FileNotFoundError:
+            pass
+
+    # -- ListenerSink --------------------------------------------------------------------
+    def _publish(self) -> str:
+        state = NodeXdsState(pods=tuple(self._pods.values()),
+                             capture_port=self.node.capture_port,
+                             passthrough_mark=self.node.passthrough_mark)
+        return self.xds.set_state(state)
+
+    def _confirm(self, version: str, what: str) -> None:
+        deadline = time.monotonic() + self.ack_timeout
+        while True:
+            if self.xds.wait_acked(version, min(0.2, max(0.0, deadline - time.monotonic()))):
+                return
+            nack = self.xds.status().get("last_nack")
+            if nack and str(nack.get("version")) == version:
+                raise ListenerNotConfirmed(f"Envoy rejected {what}: {nack.get('error_detail')}")
+            if time.monotonic() >= deadline:
+                raise ListenerNotConfirmed(
+                    f"Envoy did not ACK {what} within {self.ack_timeout:.0f}s "
+                    f"(envoy pid {self.pid or 'none'}, xDS streams "
+                    f"{self.xds.status().get('connected_streams')})")
+
+    def add_pod(self, pod: CapturedPod) -> None:
+        # Both loopbacks exist in every netns: bind both so neither family is refused.
+        listener = PodListener(uid=pod.container_id, netns_path=pod.netns)
+        with self._lock:
+            self._pods[pod.container_id] = listener
+            version = self._publish()
+        self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
+
+    def remove_pod(self, pod: CapturedPod) -> None:
+        with self._lock:
+            if self._pods.pop(pod.container_id, None) is None:
+                return
+            version = self._publish()
+        self._confirm(version, f"removal of listener {listener_name(pod)}")
+
+    # -- status --------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        if self._adopted is not None:
+            return envoy_child(self._adopted.pid)
+        return self.supervisor.pid
+
+    def status(self) -> dict[str, Any]:
+        sup = self.supervisor.status()
+        if self._adopted is not None:
+            try:
+                pid = envoy_child(self._adopted.pid)
+                envoy = psutil.Process(pid) if pid else self._adopted
+                sup.update(pid=pid, adopted=True, rss_bytes=envoy.memory_info().rss,
+                           uptime_s=round(time.time() - envoy.create_time(), 1))
+            except psutil.Error:
+                pass
+        x = self.xds.status()
+        ready = self.ready()
+        return {
+            **sup,
+            "ready": ready,
+            "listeners": len(self._pods),
+            "xds_version": x.get("version"),
+            "acked_version": x.get("acked"),
+            "xds_streams": x.get("connected_streams"),
+            "nack_count": x.get("nack_count"),
+            "last_nack": x.get("last_nack"),
+            "degraded": bool(sup.get("degraded")) or not ready,
+        }

@@ -1,0 +1,170 @@
+"""Shared pieces for the benchmarks: an agent, pod sandboxes, timed plugin execs, statistics.
+
+The agent and the kubelet are the ones the integration tests use (`integration.conftest`,
+`agent.testing.kubelet`); this module only adds what a benchmark needs on top: a sandbox
+brought up to just before our plugin, and subprocess wall times measured the way kubelet
+sees them (from fork to exit, input already serialized).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+from agent.testing.kubelet import CniError, Kubelet, Pod, exec_plugin
+from integration.conftest import AgentProc
+
+__all__ = [
+    "AgentProc",
+    "Kubelet",
+    "Pod",
+    "Stats",
+    "machine_info",
+    "plugin_env",
+    "prepare_pod",
+    "progress",
+    "make_agent",
+    "timed_run",
+    "write_pods",
+]
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_agent(workdir: str, namespace: str) -> AgentProc:
+    """An agent (no Envoy, info logging) whose manifests mark `namespace` managed; not started."""
+    agent = AgentProc(workdir, envoy=False, extra=["--log-level", "info"])
+    agent.write("bench-namespace.yaml", [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": namespace, "labels": {"aether.io/managed": "true"}}},
+    ])
+    return agent
+
+
+def write_pods(agent: AgentProc, pods: list[Pod]) -> None:
+    """Every pod in one manifest written before start: no directory re-read while timing."""
+    agent.write("bench-pods.yaml", [
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid,
+                      "labels": {}, "annotations": {}},
+         "spec": {"nodeName": "test-node", "serviceAccountName": "default"}}
+        for p in pods
+    ])
+
+
+def prepare_pod(kubelet: Kubelet, pod: Pod) -> dict[str, Any]:
+    """Sandbox + every plugin of the conflist but the last; returns the last plugin's netconf.
+
+    pod.result holds the prevResult (what the primary plugin returned), exactly what kubelet
+    would hand aether-cni.
+    """
+    kubelet.create_sandbox(pod)
+    conflist = cast(dict[str, Any], kubelet.conflist)  # its inferred type is too narrow
+    plugins: list[dict[str, Any]] = conflist["plugins"]
+    prev: dict[str, Any] | None = None
+    for plugin in plugins[:-1]:
+        conf = dict(plugin, name=conflist["name"], cniVersion=kubelet.cni_version)
+        if prev is not None:
+            conf["prevResult"] = prev
+        prev = exec_plugin(kubelet.plugin_dir, plugin["type"], "ADD", conf, pod.container_id,
+                           pod.netns, "eth0", pod.cni_args)
+    pod.result = prev or {}
+    return dict(plugins[-1], name=conflist["name"], cniVersion=kubelet.cni_version,
+                prevResult=pod.result)
+
+
+def plugin_env(kubelet: Kubelet, pod: Pod, command: str) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": pod.container_id,
+        "CNI_NETNS": pod.netns,
+        "CNI_IFNAME": "eth0",
+        "CNI_ARGS": pod.cni_args,
+        "CNI_PATH": kubelet.plugin_dir,
+    }
+
+
+def timed_run(argv: list[str], stdin: str = "", env: dict[str, str] | None = None,
+              timeout: float = 60.0) -> tuple[float, str]:
+    """Wall time of one subprocess (fork → exit), stdout; raises CniError on a non-zero exit."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise CniError(os.path.basename(argv[0]), proc.returncode, proc.stdout, proc.stderr)
+    return elapsed, proc.stdout
+
+
+@dataclass(frozen=True)
+class Stats:
+    n: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    min_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Stats:
+        if not seconds:
+            raise ValueError("no samples")
+        ms = sorted(s * 1000.0 for s in seconds)
+        return cls(len(ms), _pct(ms, 50), _pct(ms, 99), statistics.fmean(ms), ms[0], ms[-1])
+
+    def to_json(self) -> dict[str, float]:
+        return {"n": self.n, "p50_ms": round(self.p50_ms, 3), "p99_ms": round(self.p99_ms, 3),
+                "mean_ms": round(self.mean_ms, 3), "min_ms": round(self.min_ms, 3),
+                "max_ms": round(self.max_ms, 3)}
+
+
+def _pct(sorted_ms: list[float], pct: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
+    if len(sorted_ms) == 1:
+        return sorted_ms[0]
+    rank = (len(sorted_ms) - 1) * pct / 100.0
+    lo = int(rank)
+    hi = min(lo + 1, len(sorted_ms) - 1)
+    return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (rank - lo)
+
+
+def _cmd_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=10)
+    except OSError:
+        return "unknown"
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) \
+        else "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "nproc": str(os.cpu_count() or 0),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "nft": _cmd_version(["nft", "--version"]),
+    }
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)

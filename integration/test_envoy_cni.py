@@ -1,0 +1,301 @@
+"""The node Envoy behind real CNI capture: reference plugins + aether-cni + agent + Envoy."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from agent.netns import nft
+from agent.netns.enter import run_in_netns
+from agent.testing.netutil import dial, host_server
+from integration.conftest import GW4, GW6, Node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EnvoyNode(Node):
+    def __init__(self, workdir: str, bridge: str) -> None:
+        self.admin_port = free_port()
+        super().__init__(workdir, bridge, envoy=True,
+                         agent_extra=["--envoy-admin-port", str(self.admin_port),
+                                      "--listener-timeout", "15"])
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
+            return str(r.read().decode())
+
+    def stat(self, name: str) -> int:
+        for line in self.admin(f"/stats?filter=^{re.escape(name)}$").splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return int(value)
+        return 0
+
+    def listeners(self) -> list[str]:
+        return [ln.split("::")[0] for ln in self.admin("/listeners").splitlines() if ln]
+
+    def envoy_pid(self) -> int:
+        pid = self.agent.status()["envoy"]["pid"]
+        assert pid
+        return int(pid)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.admin("/ready").strip() == "LIVE":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("envoy not ready")
+
+
+@pytest.fixture
+def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    n = EnvoyNode(workdir, bridge_name)
+    n.agent.start()
+    n.wait_ready()
+    yield n
+    n.cleanup()
+    n.agent.stop()
+    assert "Traceback" not in n.agent.logs()
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    peers: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        _Hello.peers.append(self.client_address[0])
+        body = b"x" * 1024
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+class _V6Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
+def http_server() -> tuple[int, list[http.server.ThreadingHTTPServer]]:
+    s4 = http.server.ThreadingHTTPServer(("0.0.0.0", 0), _Hello)
+    port = s4.server_address[1]
+    s6 = _V6Server(("::", port), _Hello)
+    for s in (s4, s6):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    return port, [s4, s6]
+
+
+def http_get(netns: str, host: str, port: int) -> int:
+    def work() -> int:
+        conn = http.client.HTTPConnection(host, port, timeout=5)
+        conn.request("GET", "/")
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status
+
+    return run_in_netns(netns, work)
+
+
+def test_http_and_tcp_pass_through_envoy(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    assert f"capture-{pod.container_id}" in enode.listeners()
+    port, servers = http_server()
+    tcp, tport = host_server()
+    try:
+        before = enode.stat("cluster.passthrough.upstream_cx_total")
+        _Hello.peers.clear()
+        assert http_get(pod.netns, GW4, port) == 200
+        assert http_get(pod.netns, GW6, port) == 200
+        assert dial(pod.netns, GW4, tport) == "direct"  # raw TCP reaches the real server
+        assert dial(pod.netns, GW6, tport) == "direct"
+        assert enode.stat("cluster.passthrough.upstream_cx_total") >= before + 4
+        # the servers see Envoy's node-side connection, not the pod's address
+        assert pod.ip(4) not in _Hello.peers and pod.ip(6) not in _Hello.peers
+        assert {p for p, _ in tcp.seen} <= {GW4, GW6}
+        # the access log names the pod's listener and the original destination
+        deadline = time.monotonic() + 10
+        while f"listener=capture-{pod.container_id}" not in enode.agent.logs() \
+                or f"{GW4}:{port}" not in enode.agent.logs():
+            assert time.monotonic() < deadline, "access log line never reached the agent log"
+            time.sleep(0.2)
+    finally:
+        for s in servers:
+            s.shutdown()
+        tcp.close()
+
+
+def test_excluded_destinations_do_not_touch_envoy(enode: EnvoyNode) -> None:
+    pod = enode.pod(annotations={"capture.aether.io/exclude-outbound-ip-ranges": GW4})
+    enode.add(pod)
+    tcp, tport = host_server()
+    try:
+        before = enode.stat("cluster.passthrough.upstream_cx_total")
+        assert dial(pod.netns, GW4, tport) == "direct"
+        assert pod.ip(4) in {p for p, _ in tcp.seen}
+        assert enode.stat("cluster.passthrough.upstream_cx_total") == before
+    finally:
+        tcp.close()
+
+
+def test_passthrough_upstream_is_not_recaptured(enode: EnvoyNode) -> None:
+    """Envoy's upstream leaves from the node side carrying the mark; no loop, one hop."""
+    pod = enode.pod()
+    enode.add(pod)
+    tcp, tport = host_server()
+    try:
+        before_cx = enode.stat("listener.127.0.0.1_15001.downstream_cx_total")
+        assert dial(pod.netns, GW4, tport) == "direct"
+        time.sleep(0.2)
+        after_cx = enode.stat("listener.127.0.0.1_15001.downstream_cx_total")
+        assert after_cx - before_cx <= 1  # a loop would re-enter the capture listener
+        assert len(tcp.seen) == 1
+    finally:
+        tcp.close()
+
+
+def test_envoy_kill_refuses_then_recovers(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    tcp, tport = host_server()
+    try:
+        assert dial(pod.netns, GW4, tport) == "direct"
+        old = enode.envoy_pid()
+        os.kill(old, signal.SIGKILL)
+        outcomes = []
+        deadline = time.monotonic() + 30
+        recovered = False
+        while time.monotonic() < deadline:
+            r = dial(pod.netns, GW4, tport, timeout=1)
+            outcomes.append(r)
+            if r == "direct":
+                recovered = True
+                break
+            time.sleep(0.05)
+        assert recovered, outcomes[-5:]
+        assert any(o.startswith("error:ConnectionRefusedError") for o in outcomes), outcomes[:5]
+        # nothing reached the server around Envoy: every success came through Envoy
+        assert {p for p, _ in tcp.seen} <= {GW4}
+        assert enode.envoy_pid() != old
+        assert enode.agent.status()["envoy"]["restarts"] >= 1
+    finally:
+        tcp.close()
+
+
+def _envoy_netns_fds(pid: int, netns_path: str) -> int:
+    ino = os.stat(netns_path).st_ino
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"net:[{ino}]":
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
+def _envoy_socket_inodes_in(netns: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", netns, "ss", "-ltnp"], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(1 for line in out.splitlines() if "envoy" in line)
+
+
+def test_del_removes_listener_and_netns_references(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    pid = enode.envoy_pid()
+    assert _envoy_socket_inodes_in(pod.netns_name) >= 2
+    enode.kubelet.delete_aether_only(pod)
+    assert f"capture-{pod.container_id}" not in enode.listeners()
+    deadline = time.monotonic() + 10
+    while _envoy_netns_fds(pid, pod.netns) or _envoy_socket_inodes_in(pod.netns_name):
+        assert time.monotonic() < deadline, "envoy still holds the pod netns"
+        time.sleep(0.1)
+
+
+def test_fifty_pods_add_del_loop_leaves_nothing(enode: EnvoyNode) -> None:
+    pid = enode.envoy_pid()
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    for i in range(50):
+        pod = enode.pod(name=f"loop-{i}")
+        enode.add(pod)
+        enode.kubelet.delete(pod)
+        enode.pods.remove(pod)
+    time.sleep(1)
+    assert [n for n in enode.listeners() if n.startswith("capture-")] == []
+    assert enode.agent.status()["pods"] == []
+    assert not os.listdir(os.path.join(enode.agent.run_dir, "netns")) if os.path.isdir(
+        os.path.join(enode.agent.run_dir, "netns")) else True
+    fds_after = len(os.listdir(f"/proc/{pid}/fd"))
+    assert fds_after <= fds_before + 5
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            assert not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("net:[")
+        except FileNotFoundError:
+            continue
+
+
+def test_agent_restart_keeps_envoy_serving(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    tcp, tport = host_server()
+    try:
+        pid = enode.envoy_pid()
+        adds = enode.stat("listener_manager.listener_added")
+        assert enode.agent.proc is not None
+        enode.agent.proc.kill()  # the agent dies hard
+        enode.agent.proc.wait()
+        assert psutil.pid_exists(pid)
+        assert dial(pod.netns, GW4, tport) == "direct"  # Envoy keeps serving meanwhile
+        enode.agent.start()
+        assert enode.envoy_pid() == pid  # adopted, not replaced
+        assert dial(pod.netns, GW4, tport) == "direct"
+        assert enode.stat("listener_manager.listener_added") == adds  # live listeners untouched
+        newpod = enode.pod()
+        enode.add(newpod)
+        assert f"capture-{newpod.container_id}" in enode.listeners()
+        assert dial(newpod.netns, GW4, tport) == "direct"
+        assert {p for p, _ in tcp.seen} <= {GW4}
+    finally:
+        tcp.close()
+
+
+def test_add_fails_closed_when_envoy_cannot_confirm(enode: EnvoyNode) -> None:
+    """Envoy stopped (SIGSTOP): ADD cannot be confirmed and fails with a clear error."""
+    pid = enode.envoy_pid()
+    pod = enode.pod()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        from agent.testing.kubelet import CniError
+        with pytest.raises(CniError) as err:
+            enode.add(pod)
+        assert "did not ACK" in err.value.msg or "proxy did not confirm" in err.value.msg
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert nft.list_table_text(pod.netns) is not None  # rules stay: refused, never bypassed

@@ -1,0 +1,72 @@
+"""Manifest source and the state file (no root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from agent.capture.policy import AnnotationProblem, CapturePolicy
+from agent.source.base import PodEvent
+from agent.source.manifests import ManifestSource
+from agent.state import CapturedPod, StateStore
+
+
+def test_manifest_source_reads_and_rereads(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: app, labels: {aether.io/managed: 'true'}}\n"
+        "---\napiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: app, uid: u1,\n"
+        "  annotations: {capture.aether.io/exclude-outbound-ports: '53'}}\n"
+        "spec: {serviceAccountName: web-sa, nodeName: n1}\n"
+    )
+    src = ManifestSource(str(tmp_path))
+    pod = src.get_pod("app", "web")
+    assert pod is not None and pod.service_account == "web-sa" and pod.uid == "u1"
+    assert pod.annotations["capture.aether.io/exclude-outbound-ports"] == "53"
+    ns = src.get_namespace("app")
+    assert ns is not None and ns.labels["aether.io/managed"] == "true"
+    assert src.get_pod("app", "missing") is None
+    time.sleep(0.01)
+    (tmp_path / "b.yaml").write_text(
+        "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Pod, metadata: {name: db}}\n")
+    assert src.get_pod("default", "db") is not None
+    (tmp_path / "broken.yaml").write_text("kind: [unclosed\n")
+    assert src.get_pod("app", "web") is not None
+    assert any("broken.yaml" in p for p in src.problems)
+    kinds = {e.kind for e in src.snapshot()}
+    assert kinds == {"Namespace", "Pod"}
+    src.record_event(PodEvent("app", "web", "u1", "CaptureAnnotationInvalid", "bad"))
+    assert src.events[-1].reason == "CaptureAnnotationInvalid"
+
+
+def _pod(cid: str) -> CapturedPod:
+    return CapturedPod(cid, "u", "app", "web", "sa", "/var/run/netns/x", "/var/run/netns/x",
+                       "eth0", ["10.0.0.1"], CapturePolicy(True, 15001, 18081, 0xAE, 0xFF,
+                                                          ((53, 53),), ("10.0.0.0/8",), ()),
+                       "fp", "why", [AnnotationProblem("a", "b", "c")])
+
+
+def test_state_roundtrip_and_atomic_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.json")
+    store = StateStore(path)
+    store.put(_pod("c1"))
+    store.put(_pod("c2"))
+    store.remove("c2")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    again = StateStore(path)
+    again.load()
+    assert list(again.pods) == ["c1"] and again.pods["c1"] == _pod("c1")
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".state.")]
+
+
+def test_corrupt_state_reported_not_raised(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text('{"version": 1, "pods": {"c1": {"uid": 1}}}')
+    store = StateStore(str(path))
+    store.load()
+    assert store.pods == {} and store.load_problem and "unreadable" in store.load_problem
+    path.write_text(json.dumps({"version": 99, "pods": {}}))
+    store = StateStore(str(path))
+    store.load()
+    assert store.load_problem

@@ -1,0 +1,61 @@
+"""Rule rendering against golden files (regenerate with AETHER_UPDATE_GOLDEN=1)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.capture.policy import ANN_EXCLUDE_PORTS, ANN_EXCLUDE_RANGES, ANN_REDIRECT_ALL, decide
+from agent.capture.rules import fingerprint, normalize_listing, render_rules, render_ruleset
+from agent.config import NodeConfig
+from agent.source.model import NamespaceMeta, PodMeta
+
+GOLDEN = Path(__file__).parent / "golden"
+NS = NamespaceMeta("app", labels={"aether.io/managed": "true"})
+
+CASES = {
+    "redirect_all_default": {},
+    "scoped": {ANN_REDIRECT_ALL: "false"},
+    "exclusions": {ANN_EXCLUDE_PORTS: "5432,8000-8010,9000",
+                   ANN_EXCLUDE_RANGES: "10.0.0.0/8,10.1.0.0/16,203.0.113.7,fd00::/8"},
+    "scoped_exclusions": {ANN_REDIRECT_ALL: "false", ANN_EXCLUDE_PORTS: "3306"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name: str) -> None:
+    d = decide(PodMeta("app", "p", annotations=CASES[name]), NS, NodeConfig(), True)
+    assert d.policy is not None
+    text = render_ruleset(d.policy)
+    path = GOLDEN / f"{name}.nft"
+    if os.environ.get("AETHER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_rule_order_is_the_contract() -> None:
+    d = decide(PodMeta("app", "p", annotations=CASES["exclusions"]), NS, NodeConfig(), True)
+    assert d.policy is not None
+    rules = render_rules(d.policy)
+    assert rules[0].startswith("meta mark & 0x000000ff == 0x000000ae return")
+    assert "redirect to :15001" in rules[-1]
+    assert all("redirect" not in r for r in rules[:-1])
+
+
+def test_custom_ports_and_mark() -> None:
+    node = NodeConfig(capture_port=16001, mesh_port=19000, passthrough_mark=0x4A00,
+                      passthrough_mark_mask=0xFF00)
+    d = decide(PodMeta("app", "p", annotations={ANN_REDIRECT_ALL: "false"}), NS, node, True)
+    assert d.policy is not None
+    text = render_ruleset(d.policy)
+    assert "meta mark & 0x0000ff00 == 0x00004a00 return" in text
+    assert "tcp dport 19000 redirect to :16001" in text
+
+
+def test_fingerprint_ignores_handles() -> None:
+    a = {"nftables": [{"metainfo": {"version": "1"}}, {"table": {"name": "aether", "handle": 3}}]}
+    b = {"nftables": [{"metainfo": {"version": "2"}}, {"table": {"name": "aether", "handle": 9}}]}
+    assert normalize_listing(a) == [{"table": {"name": "aether"}}]
+    assert fingerprint(a) == fingerprint(b)
