@@ -35,7 +35,7 @@ class Agent:
         self.source = source
         self.sink: ListenerSink = sink or NullSink()
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
-        self.store = StateStore(os.path.join(node.run_dir, "state.json"))
+        self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
         self.cni_server = UnixJsonServer(node.cni_socket, self.handler.handle, "cni")
         self.status_server = UnixJsonServer(

@@ -57,45 +57,61 @@ class CapturedPod:
 
 
 class StateStore:
-    """Thread-safe map container_id → CapturedPod, saved on every change."""
+    """Thread-safe map container_id → CapturedPod, one file per pod under `directory`.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    One small file a pod keeps each ADD/DEL O(1) (a single-file store rewrote and fsynced
+    every pod on every ADD); each write is temp file + fsync + rename, so a crash leaves the
+    old record or the new one, never a torn one.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
         self._lock = threading.Lock()
         self.pods: dict[str, CapturedPod] = {}
         self.load_problem: str | None = None
 
+    def _path(self, container_id: str) -> str:
+        return os.path.join(self.directory, f"{container_id}.json")
+
     def load(self) -> None:
+        pods: dict[str, CapturedPod] = {}
+        problems: list[str] = []
         try:
-            with open(self.path, encoding="utf-8") as f:
-                raw = json.load(f)
-            if raw.get("version") != STATE_VERSION:
-                raise ValueError(f"unknown state version {raw.get('version')!r}")
-            pods = {cid: CapturedPod.from_json(p) for cid, p in raw["pods"].items()}
+            names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            self.load_problem = f"state file {self.path} unreadable ({e}); rebuilding"
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    raw = json.load(f)
+                if raw.get("version") != STATE_VERSION:
+                    raise ValueError(f"unknown state version {raw.get('version')!r}")
+                pod = CapturedPod.from_json(raw["pod"])
+                pods[pod.container_id] = pod
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                problems.append(f"{name}: {e}")
+                os.replace(path, path + ".corrupt")
+        if problems:
+            self.load_problem = (f"state records unreadable ({'; '.join(problems)}); moved aside "
+                                 "as *.corrupt, rebuilding from the live netns")
             log.error(self.load_problem)
-            return
         with self._lock:
             self.pods = pods
 
-    def _save_locked(self) -> None:
-        data = {
-            "version": STATE_VERSION,
-            "pods": {cid: p.to_json() for cid, p in sorted(self.pods.items())},
-        }
-        directory = os.path.dirname(self.path) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".state.", dir=directory)
+    def _write(self, pod: CapturedPod) -> None:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        data = {"version": STATE_VERSION, "pod": pod.to_json()}
+        fd, tmp = tempfile.mkstemp(prefix=".pod.", dir=self.directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
+                json.dump(data, f, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o600)
-            os.replace(tmp, self.path)
+            os.replace(tmp, self._path(pod.container_id))
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -104,16 +120,18 @@ class StateStore:
             raise
 
     def put(self, pod: CapturedPod) -> None:
+        self._write(pod)
         with self._lock:
             self.pods[pod.container_id] = pod
-            self._save_locked()
 
     def remove(self, container_id: str) -> CapturedPod | None:
         with self._lock:
             pod = self.pods.pop(container_id, None)
-            if pod is not None:
-                self._save_locked()
-            return pod
+        try:
+            os.unlink(self._path(container_id))
+        except FileNotFoundError:
+            pass
+        return pod
 
     def get(self, container_id: str) -> CapturedPod | None:
         with self._lock:

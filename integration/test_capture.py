@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import subprocess
 import time
@@ -200,8 +199,7 @@ def test_del_removes_everything_and_is_idempotent(node: Node) -> None:
     node.kubelet.delete_aether_only(pod)  # DEL twice
     subprocess.run(["ip", "netns", "del", pod.netns_name], check=True)
     node.kubelet.delete_aether_only(pod)  # DEL with the netns gone
-    with open(os.path.join(node.agent.run_dir, "state.json")) as f:
-        assert json.load(f)["pods"] == {}
+    assert os.listdir(os.path.join(node.agent.run_dir, "pods")) == []
 
 
 def test_del_with_netns_gone_while_captured(node: Node) -> None:
@@ -277,11 +275,18 @@ def test_corrupt_state_file_is_reported_and_agent_starts(node: Node) -> None:
     pod = node.pod()
     node.add(pod)
     node.agent.stop()
-    with open(os.path.join(node.agent.run_dir, "state.json"), "w") as f:
-        f.write('{"version": 1, "pods": {"x": ')
+    records = os.path.join(node.agent.run_dir, "pods")
+    (name,) = os.listdir(records)
+    with open(os.path.join(records, name), "w") as f:
+        f.write('{"version": 1, "pod": {"x": ')
     node.agent.start()
     st = node.agent.status()
     assert any("unreadable" in m for m in st["reconcile"])
+    assert st["pods"] == []
+    # the pod keeps its rules (nothing torn down on a bad record) and a re-ADD recaptures it
+    assert nft.list_table_text(pod.netns) is not None
+    node.kubelet.add_aether_only(pod)
+    assert [p["pod"] for p in node.agent.status()["pods"]] == [f"app/{pod.name}"]
 
 
 def test_twenty_concurrent_adds_all_end_captured(node: Node) -> None:

@@ -137,7 +137,7 @@ def test_version_and_bad_input() -> None:
     assert rc == 1 and out["code"] == 4
 
 
-def test_helpers() -> None:
+def test_helpers_() -> None:
     assert parse_cni_args("IgnoreUnknown=1;A=b;;bad;C=") == {"IgnoreUnknown": "1", "A": "b", "C": ""}
     assert prev_result_ips({"ips": [{"address": "1.2.3.4/32"}, {"nope": 1}, "x"]}) == ["1.2.3.4"]
     assert prev_result_ips(None) == []
@@ -149,3 +149,19 @@ def test_shim_imports_stay_light() -> None:
             "if m in sys.modules]; print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_standalone_shim_runs_isolated(tmp_path: Any) -> None:
+    from agent.cni.shim import write_shim
+    dest = str(tmp_path / "bin" / "aether-cni")
+    write_shim(dest)
+    assert os.stat(dest).st_mode & 0o777 == 0o755
+    with open(dest) as f:
+        assert f.readline().rstrip().endswith(" -IS")
+    env = {"CNI_COMMAND": "VERSION", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([dest], capture_output=True, text=True, env=env, check=True)
+    assert "1.0.0" in json.loads(out.stdout)["supportedVersions"]
+    env = {**env, "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/x"}
+    out = subprocess.run([dest], input=json.dumps(conf("/nonexistent.sock")), capture_output=True,
+                         text=True, env=env, check=False)
+    assert out.returncode == 1 and json.loads(out.stdout)["code"] == 100

@@ -48,25 +48,27 @@ def _pod(cid: str) -> CapturedPod:
 
 
 def test_state_roundtrip_and_atomic_file(tmp_path: Path) -> None:
-    path = str(tmp_path / "state.json")
-    store = StateStore(path)
+    d = str(tmp_path / "pods")
+    store = StateStore(d)
     store.put(_pod("c1"))
     store.put(_pod("c2"))
     store.remove("c2")
-    assert os.stat(path).st_mode & 0o777 == 0o600
-    again = StateStore(path)
+    assert sorted(os.listdir(d)) == ["c1.json"]
+    assert os.stat(os.path.join(d, "c1.json")).st_mode & 0o777 == 0o600
+    again = StateStore(d)
     again.load()
     assert list(again.pods) == ["c1"] and again.pods["c1"] == _pod("c1")
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".state.")]
 
 
-def test_corrupt_state_reported_not_raised(tmp_path: Path) -> None:
-    path = tmp_path / "state.json"
-    path.write_text('{"version": 1, "pods": {"c1": {"uid": 1}}}')
-    store = StateStore(str(path))
-    store.load()
-    assert store.pods == {} and store.load_problem and "unreadable" in store.load_problem
-    path.write_text(json.dumps({"version": 99, "pods": {}}))
-    store = StateStore(str(path))
-    store.load()
-    assert store.load_problem
+def test_corrupt_record_reported_moved_aside_others_kept(tmp_path: Path) -> None:
+    d = tmp_path / "pods"
+    store = StateStore(str(d))
+    store.put(_pod("good"))
+    (d / "bad.json").write_text('{"version": 1, "pod": {"uid": 1}}')
+    (d / "trunc.json").write_text('{"version": 1, "pod": ')
+    (d / "future.json").write_text(json.dumps({"version": 99, "pod": {}}))
+    again = StateStore(str(d))
+    again.load()
+    assert list(again.pods) == ["good"]
+    assert again.load_problem and "unreadable" in again.load_problem
+    assert (d / "bad.json.corrupt").exists() and not (d / "bad.json").exists()

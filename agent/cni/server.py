@@ -24,6 +24,7 @@ Handler = Callable[[Any], dict[str, Any]]
 
 class _Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
+    request_queue_size = 256  # a burst of pod starts must not see EAGAIN
     handle_request_fn: Handler
 
 

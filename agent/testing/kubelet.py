@@ -47,9 +47,9 @@ def make_plugin_dir(base: str) -> str:
         dst = os.path.join(path, name)
         if not os.path.exists(dst):
             os.symlink(os.path.join(ref, name), dst)
-    dst = os.path.join(path, "aether-cni")
-    if not os.path.exists(dst):
-        os.symlink(aether_cni_path(), dst)
+    # the lean standalone shim, as cni-install puts it on a node
+    from agent.cni.shim import write_shim
+    write_shim(os.path.join(path, "aether-cni"))
     return path
 
 
@@ -134,7 +134,8 @@ class Kubelet:
         }]
         if aether is not None:
             plugins.append({"type": "aether-cni", **aether})
-        self.conflist = {"cniVersion": cni_version, "name": "aether-test", "plugins": plugins}
+        self.conflist: dict[str, Any] = {"cniVersion": cni_version, "name": "aether-test",
+                                         "plugins": plugins}
 
     def new_pod(self, namespace: str, name: str) -> Pod:
         suffix = uuid.uuid4().hex[:10]

@@ -1,0 +1,204 @@
+"""The Service catalog: Kubernetes Services as plain records, indexed by key and ClusterIP.
+
+A Service is both the thing a client dials (ClusterIP:port, the names of proposal 020) and a
+selector of backend pods. Parsing keeps exactly what capture and xDS need: both ClusterIP
+families (dual-stack), every port with its targetPort left unresolved (a named targetPort
+means something different in each pod), and appProtocol for L7 detection.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any
+
+CLUSTER_DOMAIN = "svc.cluster.local"
+DEFAULT_MESH_DOMAIN = "aether.internal"
+
+
+def canonical_ip(ip: str) -> str | None:
+    """One spelling per address (IPv6 has many), None if it is not an IP at all."""
+    try:
+        return str(ipaddress.ip_address(ip.strip()))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One Service port; target_port is an int or a container port name."""
+
+    port: int
+    name: str = ""
+    protocol: str = "TCP"
+    target_port: int | str = 0
+    app_protocol: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.target_port in (0, ""):
+            object.__setattr__(self, "target_port", self.port)  # the Kubernetes default
+
+
+@dataclass(frozen=True)
+class Service:
+    """A Kubernetes Service as the mesh sees it."""
+
+    namespace: str
+    name: str
+    cluster_ips: tuple[str, ...] = ()
+    ports: tuple[ServicePort, ...] = ()
+    selector: dict[str, str] | None = None  # None: selectorless, endpoints from slices
+    type: str = "ClusterIP"
+    headless: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def ipv4(self) -> tuple[str, ...]:
+        return tuple(ip for ip in self.cluster_ips if ":" not in ip)
+
+    @property
+    def ipv6(self) -> tuple[str, ...]:
+        return tuple(ip for ip in self.cluster_ips if ":" in ip)
+
+    def names(self, mesh_domain: str = DEFAULT_MESH_DOMAIN) -> tuple[str, str]:
+        """The standard name first, then the mesh name (both route, proposal 020)."""
+        return (
+            f"{self.name}.{self.namespace}.{CLUSTER_DOMAIN}",
+            f"{self.name}.{self.namespace}.{mesh_domain}",
+        )
+
+    def port(self, number: int) -> ServicePort | None:
+        for p in self.ports:
+            if p.port == number:
+                return p
+        return None
+
+    def selects(self, labels: dict[str, str]) -> bool:
+        """Kubernetes semantics: an empty selector selects nothing (and None means slices)."""
+        if not self.selector:
+            return False
+        return all(labels.get(k) == v for k, v in self.selector.items())
+
+
+def _str_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): "" if v is None else str(v) for k, v in value.items()}
+
+
+def _port(raw: dict[str, Any]) -> ServicePort | None:
+    try:
+        number = int(raw.get("port") or 0)
+    except (TypeError, ValueError):
+        return None
+    if not 1 <= number <= 65535:
+        return None
+    tp_raw = raw.get("targetPort")
+    target: int | str
+    if isinstance(tp_raw, int):
+        target = tp_raw
+    elif isinstance(tp_raw, str) and tp_raw.strip():
+        target = int(tp_raw) if tp_raw.strip().isdigit() else tp_raw.strip()
+    else:
+        target = number
+    app = raw.get("appProtocol")
+    return ServicePort(
+        port=number,
+        name=str(raw.get("name") or ""),
+        protocol=str(raw.get("protocol") or "TCP"),
+        target_port=target,
+        app_protocol=str(app) if app else None,
+    )
+
+
+def service_from_object(obj: dict[str, Any]) -> Service:
+    """Service JSON → Service. Headless/ExternalName services get no ClusterIPs (nothing to
+    capture) but keep their ports and selector, so they can still be backends."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    svc_type = str(spec.get("type") or "ClusterIP")
+    raw_ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
+    headless = any(str(ip) == "None" for ip in raw_ips)
+    ips: list[str] = []
+    if not headless and svc_type != "ExternalName":
+        for ip in raw_ips:
+            c = canonical_ip(str(ip))
+            if c and c not in ips:
+                ips.append(c)
+    ports = tuple(p for p in (_port(r) for r in spec.get("ports") or [] if isinstance(r, dict))
+                  if p is not None)
+    selector = spec.get("selector")
+    return Service(
+        namespace=str(meta.get("namespace") or "default"),
+        name=str(meta.get("name") or ""),
+        cluster_ips=tuple(ips),
+        ports=ports,
+        selector=_str_map(selector) if isinstance(selector, dict) and selector else None,
+        type=svc_type,
+        headless=headless,
+        labels=_str_map(meta.get("labels")),
+        annotations=_str_map(meta.get("annotations")),
+    )
+
+
+class ServiceCatalog:
+    """Services by key, by namespace and by ClusterIP. Not thread-safe: the model serialises."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, Service] = {}
+        self._by_ns: dict[str, set[str]] = {}
+        self._by_ip: dict[str, str] = {}
+
+    def upsert(self, svc: Service) -> Service | None:
+        """Insert or replace; returns the previous record (None if new)."""
+        old = self._by_key.get(svc.key)
+        if old is not None:
+            self._unindex(old)
+        self._by_key[svc.key] = svc
+        self._by_ns.setdefault(svc.namespace, set()).add(svc.key)
+        for ip in svc.cluster_ips:
+            self._by_ip[ip] = svc.key
+        return old
+
+    def remove(self, key: str) -> Service | None:
+        old = self._by_key.pop(key, None)
+        if old is not None:
+            self._unindex(old)
+        return old
+
+    def _unindex(self, svc: Service) -> None:
+        keys = self._by_ns.get(svc.namespace)
+        if keys is not None:
+            keys.discard(svc.key)
+            if not keys:
+                del self._by_ns[svc.namespace]
+        for ip in svc.cluster_ips:
+            if self._by_ip.get(ip) == svc.key:
+                del self._by_ip[ip]
+
+    def get(self, key: str) -> Service | None:
+        return self._by_key.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_key
+
+    def keys(self) -> list[str]:
+        return sorted(self._by_key)
+
+    def in_namespace(self, namespace: str) -> list[str]:
+        return sorted(self._by_ns.get(namespace, ()))
+
+    def by_cluster_ip(self, ip: str, port: int | None = None) -> str | None:
+        """The Service owning ClusterIP ``ip`` (and serving ``port``, if given)."""
+        c = canonical_ip(ip)
+        key = self._by_ip.get(c) if c else None
+        if key is None:
+            return None
+        if port is not None and self._by_key[key].port(port) is None:
+            return None
+        return key

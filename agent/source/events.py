@@ -1,0 +1,171 @@
+"""The one event model both sources feed: an in-memory object store that emits WatchEvents.
+
+The Kubernetes watcher and the manifest directory both end in ``ObjectStore``: a watch event is
+applied as is, a LIST (initial, or the relist after 410 Gone) and a directory re-read are
+applied as a *replacement* of everything of that kind. A replacement is turned back into
+ordinary events by diffing, so subscribers (the mesh model) never need to know which backend,
+or whether a relist happened: missed deletions arrive as synthetic DELETED events and the
+index converges to the truth either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from agent.source.base import WatchEvent
+
+log = logging.getLogger("aether.source.events")
+
+ObjKey = tuple[str, str, str]  # kind, namespace ("" for cluster-scoped), name
+Callback = Callable[[WatchEvent], None]
+
+#: Kinds without a namespace; everything else defaults to "default" like kubectl does.
+CLUSTER_SCOPED = frozenset({"Namespace", "Node"})
+
+
+def object_key(kind: str, obj: Mapping[str, Any]) -> ObjKey:
+    """The store key of an object (same rule as the manifest loader)."""
+    meta = obj.get("metadata") or {}
+    ns = "" if kind in CLUSTER_SCOPED else str(meta.get("namespace") or "default")
+    return (kind, ns, str(meta.get("name") or ""))
+
+
+def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Equal resourceVersions mean unchanged (cheap); otherwise compare the content."""
+    rva = (a.get("metadata") or {}).get("resourceVersion")
+    rvb = (b.get("metadata") or {}).get("resourceVersion")
+    if rva and rvb and rva == rvb:
+        return True
+    return a == b
+
+
+def diff_snapshots(
+    old: Mapping[ObjKey, dict[str, Any]], new: Mapping[ObjKey, dict[str, Any]]
+) -> list[WatchEvent]:
+    """Events that turn ``old`` into ``new``: ADDED/MODIFIED first, then DELETED, each sorted.
+
+    Additions come first so that a rename (delete + add) never leaves a moment with neither.
+    """
+    events: list[WatchEvent] = []
+    for key in sorted(new):
+        before = old.get(key)
+        if before is None:
+            events.append(WatchEvent("ADDED", key[0], new[key]))
+        elif not _same(before, new[key]):
+            events.append(WatchEvent("MODIFIED", key[0], new[key]))
+    for key in sorted(old):
+        if key not in new:
+            events.append(WatchEvent("DELETED", key[0], old[key]))
+    return events
+
+
+class ObjectStore:
+    """Thread-safe index of the latest object per (kind, ns, name), with ordered callbacks.
+
+    Callbacks run under the store lock, in event order, on the thread that applied the
+    event; they must be quick and must not block on other sources (reading the store back is
+    fine: the lock is reentrant). A failing callback is logged and does not stop the others.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._objects: dict[ObjKey, dict[str, Any]] = {}
+        self._subscribers: list[Callback] = []
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._objects.get((kind, namespace, name))
+
+    def list(self, kind: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [o for (k, _, _), o in sorted(self._objects.items()) if k == kind]
+
+    def snapshot(self) -> dict[ObjKey, dict[str, Any]]:
+        with self._lock:
+            return dict(self._objects)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._objects)
+
+    # ---- subscribing -----------------------------------------------------------------------
+
+    def on_event(self, callback: Callback, replay: bool = True) -> Callable[[], None]:
+        """Subscribe; with replay the current contents arrive first as ADDED. Returns unsubscribe."""
+        with self._lock:
+            if replay:
+                for key in sorted(self._objects):
+                    self._call(callback, WatchEvent("ADDED", key[0], self._objects[key]))
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _call(self, callback: Callback, event: WatchEvent) -> None:
+        try:
+            callback(event)
+        except Exception:  # one broken subscriber must not starve the rest
+            log.exception("event subscriber failed on %s %s", event.type, event.kind)
+
+    def _publish(self, event: WatchEvent) -> None:
+        for cb in list(self._subscribers):
+            self._call(cb, event)
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def apply(self, event: WatchEvent) -> WatchEvent | None:
+        """Apply one event; returns what was published (normalised), None if it changed nothing.
+
+        ADDED for a known object becomes MODIFIED, MODIFIED for an unknown one becomes ADDED,
+        a DELETED for an unknown object is dropped: watches replayed after a reconnect or a
+        relist racing a watch must not produce phantom changes.
+        """
+        key = object_key(event.kind, event.obj)
+        with self._lock:
+            old = self._objects.get(key)
+            if event.type == "DELETED":
+                if old is None:
+                    return None
+                del self._objects[key]
+                out = WatchEvent("DELETED", event.kind, event.obj)
+            else:
+                if old is not None and _same(old, event.obj):
+                    return None
+                self._objects[key] = event.obj
+                out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
+            self._publish(out)
+            return out
+
+    def replace_kind(self, kind: str, objects: Iterable[dict[str, Any]]) -> list[WatchEvent]:
+        """Make ``objects`` the complete set of ``kind`` (a LIST or relist); returns the diff."""
+        new = {object_key(kind, o): o for o in objects}
+        with self._lock:
+            old = {k: o for k, o in self._objects.items() if k[0] == kind}
+            events = diff_snapshots(old, new)
+            for ev in events:
+                self.apply(ev)
+            return events
+
+    def replace_all(
+        self, objects: Mapping[ObjKey, dict[str, Any]], kinds: Iterable[str] | None = None
+    ) -> list[WatchEvent]:
+        """Replace every kind in ``kinds`` (default: the kinds present either side) at once."""
+        with self._lock:
+            wanted = set(kinds) if kinds is not None else (
+                {k[0] for k in objects} | {k[0] for k in self._objects}
+            )
+            old = {k: o for k, o in self._objects.items() if k[0] in wanted}
+            new = {k: o for k, o in objects.items() if k[0] in wanted}
+            events = diff_snapshots(old, new)
+            for ev in events:
+                self.apply(ev)
+            return events

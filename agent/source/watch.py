@@ -1,0 +1,389 @@
+"""List+watch of the mesh's object kinds into an ObjectStore, from the API or a directory.
+
+Kubernetes: one thread per kind runs the informer protocol by hand — LIST (which gives a
+resourceVersion) → ``store.replace_kind`` → WATCH from that version with bookmarks. A 410
+Gone (in-stream ERROR or HTTP status) means our version was compacted away: relist, and the
+store's diff turns the relist into the DELETED/MODIFIED events we missed. Any other failure
+(connection cut, API restart, 5xx) backs off exponentially with jitter (capped) and
+re-watches from the last version seen, which bookmarks keep fresh so a quiet kind does not
+fall behind compaction. Requests are raw (``_preload_content=False``) JSON so both backends
+store identical plain dicts.
+
+Scaling note: Pods are listed cluster-wide, not with ``spec.nodeName=<node>``: remote managed
+pods are the endpoints of the Services local pods dial. That is O(cluster pods) memory per
+node; a later issue can narrow it to pods selected by in-scope Services.
+
+Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp), re-reads it with
+``load_objects`` and feeds the diff, so ``--manifests`` and the API produce the same events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from agent.source.base import SourceError, WatchEvent
+from agent.source.events import CLUSTER_SCOPED, ObjectStore, diff_snapshots, object_key
+from agent.source.manifests import load_objects
+
+log = logging.getLogger("aether.source.watch")
+
+_GW = "gateway.networking.k8s.io/v1"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Where a kind lives in the API (cluster-wide collection path)."""
+
+    kind: str
+    api_version: str
+    path: str
+
+
+KIND_SPECS: dict[str, KindSpec] = {
+    s.kind: s
+    for s in (
+        KindSpec("Namespace", "v1", "/api/v1/namespaces"),
+        KindSpec("Pod", "v1", "/api/v1/pods"),
+        KindSpec("Service", "v1", "/api/v1/services"),
+        KindSpec(
+            "EndpointSlice", "discovery.k8s.io/v1", "/apis/discovery.k8s.io/v1/endpointslices"
+        ),
+        KindSpec("HTTPRoute", _GW, f"/apis/{_GW}/httproutes"),
+        KindSpec("GRPCRoute", _GW, f"/apis/{_GW}/grpcroutes"),
+    )
+}
+MESH_KINDS: tuple[str, ...] = tuple(KIND_SPECS)
+
+
+class Gone(Exception):
+    """Our resourceVersion is too old (HTTP 410): only a relist recovers."""
+
+
+@dataclass
+class KindStatus:
+    """Per-kind watch health for logs and `aether-agent status`."""
+
+    kind: str
+    resource_version: str | None = None
+    synced: bool = False
+    lists: int = 0
+    watches: int = 0
+    relists_410: int = 0
+    errors: int = 0
+    last_error: str = ""
+    events: int = 0
+    synced_event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+def backoff_delay(failures: int, base: float = 0.2, cap: float = 5.0) -> float:
+    """Exponential with full-ish jitter (half to full of the step), capped."""
+    step = min(cap, base * (2 ** max(0, failures - 1)))
+    return random.uniform(step / 2, step)
+
+
+def _load_api_client(source: client.ApiClient | str | None) -> client.ApiClient:
+    if isinstance(source, client.ApiClient):
+        return source
+    cfg = client.Configuration()
+    try:
+        if source is None:
+            config.load_incluster_config(client_configuration=cfg)
+        else:
+            config.load_kube_config(config_file=source, client_configuration=cfg)
+    except Exception as exc:
+        raise SourceError(f"cannot load Kubernetes config from {source or 'in-cluster'}: {exc}")
+    # The watcher owns retries; urllib3's silent read retries would hide cuts.
+    cfg.retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0)
+    return client.ApiClient(cfg)
+
+
+class KubeWatcher:
+    """Keeps ``store`` equal to the API server's view of ``kinds`` (see module docstring)."""
+
+    def __init__(
+        self,
+        api: client.ApiClient | str | None,
+        kinds: Iterable[str],
+        node_name: str,
+        store: ObjectStore,
+        stop_event: threading.Event | None = None,
+        *,
+        watch_timeout: int = 300,
+        request_timeout: float = 10.0,
+        backoff_base: float = 0.2,
+        backoff_cap: float = 5.0,
+    ) -> None:
+        self.api = _load_api_client(api)
+        self.kinds = tuple(kinds)
+        unknown = [k for k in self.kinds if k not in KIND_SPECS]
+        if unknown:
+            raise ValueError(f"cannot watch unknown kinds {unknown}")
+        self.node_name = node_name
+        self.store = store
+        self.stop_event = stop_event or threading.Event()
+        self.watch_timeout = watch_timeout
+        self.request_timeout = request_timeout
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self.status: dict[str, KindStatus] = {k: KindStatus(k) for k in self.kinds}
+        self._threads: list[threading.Thread] = []
+        self._open: dict[str, Any] = {}
+        self._open_lock = threading.Lock()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> KubeWatcher:
+        for kind in self.kinds:
+            t = threading.Thread(target=self._run, args=(kind,), name=f"watch-{kind}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every kind: set the stop event and cut open streams so reads return now."""
+        self.stop_event.set()
+        with self._open_lock:
+            streams = list(self._open.values())
+        for resp in streams:
+            with contextlib.suppress(Exception):
+                resp.shutdown()
+            with contextlib.suppress(Exception):
+                resp.close()
+        for t in self._threads:
+            t.join(timeout)
+
+    def wait_synced(self, timeout: float | None = None) -> bool:
+        """True once every kind has completed its first LIST into the store."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for st in self.status.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not st.synced_event.wait(left):
+                return False
+        return True
+
+    def describe(self) -> str:
+        return f"kubernetes watch {self.api.configuration.host} ({', '.join(self.kinds)})"
+
+    # ---- the per-kind loop -----------------------------------------------------------------
+
+    def _run(self, kind: str) -> None:
+        spec, st = KIND_SPECS[kind], self.status[kind]
+        failures = 0
+        while not self.stop_event.is_set():
+            try:
+                if st.resource_version is None:
+                    self._list(spec, st)
+                self._watch(spec, st)
+                failures = 0  # a watch that ran to its timeout is healthy; re-watch at once
+            except Gone as exc:
+                st.relists_410 += 1
+                st.resource_version = None
+                log.info("watch %s: %s; relisting", kind, exc)
+            except Exception as exc:  # cut streams, refused connections, 5xx, bad JSON
+                if self.stop_event.is_set():
+                    break
+                failures += 1
+                st.errors += 1
+                st.last_error = _describe(exc)
+                delay = backoff_delay(failures, self.backoff_base, self.backoff_cap)
+                log.warning(
+                    "watch %s failed (%s); retrying in %.2fs from resourceVersion %s",
+                    kind, st.last_error, delay, st.resource_version,
+                )
+                self.stop_event.wait(delay)
+
+    def _request(self, spec: KindSpec, query: dict[str, str], read_timeout: float) -> Any:
+        req = self.api.param_serialize(
+            method="GET",
+            resource_path=spec.path,
+            query_params=list(query.items()),
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        rest = self.api.call_api(*req, _request_timeout=(self.request_timeout, read_timeout))
+        resp = rest.response
+        if resp.status == 410:
+            resp.release_conn()
+            raise Gone("HTTP 410 Gone")
+        if not 200 <= resp.status <= 299:
+            rest.read()
+            resp.release_conn()
+            raise ApiException.from_response(http_resp=rest, body=None, data=None)
+        return resp
+
+    def _normalise(self, spec: KindSpec, obj: dict[str, Any]) -> dict[str, Any]:
+        obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
+        obj.setdefault("apiVersion", spec.api_version)
+        return obj
+
+    def _list(self, spec: KindSpec, st: KindStatus) -> None:
+        resp = self._request(spec, {}, self.request_timeout)
+        try:
+            body = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        items = [self._normalise(spec, o) for o in body.get("items") or []]
+        rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+        events = self.store.replace_kind(spec.kind, items)
+        st.lists += 1
+        st.events += len(events)
+        st.resource_version = rv or None
+        if not st.synced:
+            st.synced = True
+            st.synced_event.set()
+        log.debug("listed %d %s at resourceVersion %s (%d changes)",
+                  len(items), spec.kind, rv, len(events))
+        if not rv:  # no version to watch from: we can only poll by relisting
+            raise RuntimeError(f"LIST {spec.kind} returned no resourceVersion")
+
+    def _watch(self, spec: KindSpec, st: KindStatus) -> None:
+        query = {
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "resourceVersion": st.resource_version or "",
+            "timeoutSeconds": str(self.watch_timeout),
+        }
+        resp = self._request(spec, query, self.watch_timeout + self.request_timeout)
+        st.watches += 1
+        with self._open_lock:
+            self._open[spec.kind] = resp
+        try:
+            for raw in _lines(resp):
+                if self.stop_event.is_set():
+                    return
+                self._handle(spec, st, json.loads(raw))
+        finally:
+            with self._open_lock:
+                self._open.pop(spec.kind, None)
+            with contextlib.suppress(Exception):
+                resp.release_conn()
+
+    def _handle(self, spec: KindSpec, st: KindStatus, ev: dict[str, Any]) -> None:
+        etype, obj = ev.get("type"), ev.get("object") or {}
+        if etype == "ERROR":
+            code = obj.get("code")
+            if code == 410:
+                raise Gone(str(obj.get("message") or "resource version expired"))
+            raise ApiException(status=code, reason=f"{obj.get('reason')}: {obj.get('message')}")
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if etype == "BOOKMARK":
+            if rv:
+                st.resource_version = str(rv)
+            return
+        if etype not in ("ADDED", "MODIFIED", "DELETED"):
+            log.warning("watch %s: ignoring event type %r", spec.kind, etype)
+            return
+        if spec.kind not in CLUSTER_SCOPED and not (obj.get("metadata") or {}).get("name"):
+            return
+        if self.store.apply(WatchEvent(etype, spec.kind, self._normalise(spec, obj))):
+            st.events += 1
+        if rv:
+            st.resource_version = str(rv)
+
+
+def _lines(resp: Any) -> Iterator[str]:
+    for line in iter_resp_lines(resp):
+        if line.strip():
+            yield line
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status} {exc.reason or ''}".strip()
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ManifestWatcher:
+    """Feeds a manifest directory into ``store``: re-read on change, diffed into events."""
+
+    def __init__(
+        self,
+        directory: str,
+        store: ObjectStore,
+        stop_event: threading.Event | None = None,
+        interval: float = 0.5,
+        kinds: Iterable[str] = MESH_KINDS,
+    ) -> None:
+        self.directory = directory
+        self.store = store
+        self.stop_event = stop_event or threading.Event()
+        self.interval = interval
+        self.kinds = frozenset(kinds)
+        self.problems: list[str] = []
+        self.reads = 0
+        self._stamp: tuple[tuple[str, float, int], ...] | None = None
+        self._last: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._synced = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ManifestWatcher:
+        self._thread = threading.Thread(target=self._run, name="watch-manifests", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_synced(self, timeout: float | None = None) -> bool:
+        return self._synced.wait(timeout)
+
+    def describe(self) -> str:
+        return f"manifest directory {self.directory}"
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # an unreadable directory keeps the last good view
+                log.warning("manifest directory %s: %s", self.directory, exc)
+            self.stop_event.wait(self.interval)
+
+    def _dir_stamp(self) -> tuple[tuple[str, float, int], ...]:
+        stamp: list[tuple[str, float, int]] = []
+        for root, _dirs, files in os.walk(self.directory):
+            st = os.stat(root)
+            stamp.append((root, st.st_mtime, 0))
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):
+                    fs = os.stat(os.path.join(root, f))
+                    stamp.append((os.path.join(root, f), fs.st_mtime, fs.st_size))
+        return tuple(sorted(stamp))
+
+    def poll_once(self) -> list[WatchEvent]:
+        """Re-read if the directory changed; apply and return the resulting events."""
+        if not os.path.isdir(self.directory):
+            raise SourceError(f"manifest directory {self.directory} does not exist")
+        stamp = self._dir_stamp()
+        if stamp == self._stamp:
+            return []
+        objects, problems = load_objects(self.directory)
+        for p in problems:
+            if p not in self.problems:
+                log.warning("manifest problem: %s", p)
+        self.problems = problems
+        new = {
+            object_key(k[0], o): o for k, o in objects.items() if k[0] in self.kinds
+        }
+        events = diff_snapshots(self._last, new)
+        for ev in events:
+            self.store.apply(ev)
+        self._last, self._stamp = new, stamp
+        self.reads += 1
+        self._synced.set()
+        return events
