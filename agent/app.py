@@ -16,7 +16,8 @@ from typing import Any
 from agent import __version__
 from agent.capture.rules import render_ruleset
 from agent.cni.handler import CniHandler, ListenerSink, NullSink
-from agent.cni.server import UnixJsonServer
+from agent.cni import request as cni_request
+from agent.cni.server import UnixJsonServer, json_handler
 from agent.config import NodeConfig
 from agent.netns import nft
 from agent.netns.enter import NetnsError, check_netns_path
@@ -37,9 +38,12 @@ class Agent:
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
-        self.cni_server = UnixJsonServer(node.cni_socket, self.handler.handle, "cni")
+        too_large = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 103, '
+                                        '"msg": "request larger than 1 MiB rejected"}'))
+        self.cni_server = UnixJsonServer(node.cni_socket, self.handler.handle_raw, "cni",
+                                         oversize_answer=too_large)
         self.status_server = UnixJsonServer(
-            os.path.join(node.run_dir, "status.sock"), self._status_request, "status"
+            os.path.join(node.run_dir, "status.sock"), json_handler(self._status_request), "status"
         )
         self.started_at = time.time()
         self.reconcile_report: list[str] = []

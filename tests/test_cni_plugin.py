@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from agent.cni.plugin import parse_cni_args, prev_result_ips, run
+from agent.cni import request as request_mod
+from agent.cni.plugin import run
+from agent.cni.request import parse_cni_args, prev_result_ips
 from agent.cni.server import UnixJsonServer
 
 PREV = {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0"}],
@@ -27,11 +29,17 @@ def agent() -> Iterator[tuple[str, list[Any]]]:
     path = os.path.join(d, "cni.sock")
     seen: list[Any] = []
 
-    def handler(req: Any) -> dict[str, Any]:
+    def verdict(req: Any) -> dict[str, Any]:
         seen.append(req)
         if req.get("netconf", {}).get("fail"):
             return {"ok": False, "code": 101, "msg": "nope", "details": "because"}
         return {"ok": True}
+
+    def handler(data: bytes) -> bytes:
+        early, req = request_mod.parse(json.loads(data))
+        if early is not None:
+            return request_mod.encode(early)
+        return request_mod.encode(request_mod.render(req, verdict(req)))
 
     srv = UnixJsonServer(path, handler)
     srv.start()
@@ -126,15 +134,34 @@ def test_check_and_del_print_nothing(agent: tuple[str, list[Any]]) -> None:
     assert [r["command"] for r in seen] == ["CHECK", "DEL"]
 
 
-def test_version_and_bad_input() -> None:
+def test_version_and_bad_input(agent: tuple[str, list[Any]]) -> None:
+    sock, seen = agent
     rc, out, _ = invoke("VERSION", "")
     assert rc == 0 and "1.0.0" in out["supportedVersions"] and "0.3.1" in out["supportedVersions"]
-    rc, out, _ = invoke("ADD", "{not json")
-    assert rc == 1 and out["code"] == 6
-    rc, out, _ = invoke("ADD", {"cniVersion": "9.9.9", "prevResult": {}})
+    rc, out, _ = invoke("ADD", {"cniVersion": "9.9.9", "prevResult": {}, "agent_socket": sock})
     assert rc == 1 and out["code"] == 1
-    rc, out, _ = invoke("GC", {"cniVersion": "1.0.0"})
+    rc, out, _ = invoke("GC", {"cniVersion": "1.0.0", "agent_socket": sock})
     assert rc == 1 and out["code"] == 4
+    rc, out, _ = invoke("ADD", {"cniVersion": "1.0.0", "prevResult": {}, "agent_socket": sock},
+                        CNI_NETNS="")
+    assert rc == 1 and out["code"] == 4 and "CNI_NETNS" in out["msg"]
+    assert seen == []
+
+
+def test_undecodable_netconf_reported_by_the_agent(tmp_path: Any) -> None:
+    from agent.cni.handler import CniHandler
+    from agent.config import NodeConfig
+    from agent.source.manifests import ManifestSource
+    from agent.state import StateStore
+    h = CniHandler(NodeConfig(), ManifestSource(str(tmp_path)), StateStore(str(tmp_path / "s")))
+    srv = UnixJsonServer(str(tmp_path / "cni.sock"), h.handle_raw)
+    srv.start()
+    try:
+        raw = '{"cniVersion": "1.0.0", "agent_socket": "%s", oops' % (tmp_path / "cni.sock")
+        rc, out, _ = invoke("ADD", raw)
+        assert rc == 1 and out["code"] == 6 and "valid JSON" in out["msg"]
+    finally:
+        srv.stop()
 
 
 def test_helpers_() -> None:
@@ -144,10 +171,12 @@ def test_helpers_() -> None:
 
 
 def test_shim_imports_stay_light() -> None:
-    code = ("import sys, agent.cni.plugin; "
-            "heavy = [m for m in ('grpc', 'kubernetes', 'nftables', 'yaml', 'typer', 'pyroute2') "
-            "if m in sys.modules]; print(','.join(heavy))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    plugin_dir = os.path.join(os.path.dirname(__file__), "..", "agent", "cni")
+    code = (f"import sys; sys.path.insert(0, {plugin_dir!r}); import plugin; "
+            "heavy = [m for m in ('grpc', 'kubernetes', 'nftables', 'yaml', 'typer', 'pyroute2', "
+            "'json', 'typing', 'socket') if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == ""
 
 

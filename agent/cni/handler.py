@@ -7,6 +7,7 @@ ADD returns only after the listener sink (Envoy) confirms the pod's listener is 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 from agent.capture.policy import CaptureDecision, decide, parse_bool
 from agent.capture.rules import render_ruleset
 from agent.cni import protocol as p
+from agent.cni import request as request_mod
 from agent.config import NodeConfig
 from agent.netns import nft
 from agent.netns.enter import NetnsError, NetnsGone, check_netns_path
@@ -98,7 +100,20 @@ class CniHandler:
         with lock:
             yield
 
-    # -- entry point ---------------------------------------------------------------------
+    # -- entry points --------------------------------------------------------------------
+    def handle_raw(self, data: bytes) -> bytes:
+        """The CNI socket: the shim's envelope in, `<exit code>\n<stdout>` out."""
+        try:
+            envelope = json.loads(data)
+        except ValueError as e:
+            return request_mod.encode((1, json.dumps(request_mod.cni_error(
+                p.ERR_DECODE, "failed to decode the request from aether-cni "
+                "(is the network configuration valid JSON?)", str(e)))))
+        early, req = request_mod.parse(envelope)
+        if early is not None:
+            return request_mod.encode(early)
+        return request_mod.encode(request_mod.render(req, self.handle(req)))
+
     def handle(self, request: Any) -> dict[str, Any]:
         """One request from the shim → one answer; never raises."""
         started = time.monotonic()

@@ -1,218 +1,160 @@
 """`aether-cni`: the chained CNI plugin kubelet executes (CNI spec 1.0.0; 0.3.x/0.4.0 too).
 
-A thin shim on purpose: stdlib only, it forwards the request to the node agent over a unix
-socket and relays the answer. On ADD it fails closed: no agent, no capture, no pod start.
+Thin on purpose, because kubelet execs it on every pod start: it forwards the CNI_* variables
+and the raw netconf to the node agent over a unix socket and relays the agent's answer (exit
+code + stdout). The CNI semantics (version checks, prevResult, error objects) live in the
+agent (`agent/cni/request.py`). On the happy path it imports only `os`, `sys` and `_socket`;
+`json` is loaded only to build an error when the agent cannot be reached. On ADD it fails
+closed: no agent, no capture, no pod start.
+
+This file is self-contained (stdlib only, no package imports): cni-install copies it to the
+host CNI bin dir, where it runs as `python -IS aether-cni` with nothing else around it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
-from typing import Any, TextIO
 
-# This file is self-contained (stdlib only, no package imports): cni-install copies it to the
-# host CNI bin dir, where it runs as `python -I -S aether-cni` with nothing else around it.
+try:  # the C module: `socket` would pull in enum and selectors (~5 ms of start-up)
+    import _socket as socket
+except ImportError:  # pragma: no cover - non-CPython
+    import socket  # type: ignore[no-redef]
 
-MAX_MESSAGE_BYTES = 1 << 20
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs start-up time
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any, TextIO
+
 DEFAULT_SOCKET = "/var/run/aether/cni.sock"
 DEFAULT_TIMEOUT_S = 30.0
-SUPPORTED_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
-
-# CNI spec error codes, then plugin-specific ones (>= 100)
-ERR_INCOMPATIBLE_VERSION = 1
-ERR_UNSUPPORTED_FIELD = 2
-ERR_UNKNOWN_CONTAINER = 3
-ERR_INVALID_ENV = 4
-ERR_IO = 5
-ERR_DECODE = 6
-ERR_INVALID_NETCONF = 7
-ERR_TRY_AGAIN = 11
+MAX_MESSAGE_BYTES = 1 << 20
+VERSION_JSON = ('{"cniVersion": "1.0.0", "supportedVersions": '
+                '["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]}')
+ENV_KEYS = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
 ERR_AGENT_UNREACHABLE = 100
-ERR_CAPTURE_FAILED = 101
-ERR_CHECK_DRIFT = 102
-ERR_BAD_REQUEST = 103
 
 
-class ProtocolError(Exception):
-    pass
+def _js(s: str) -> str:
+    """A JSON string literal without importing json (env values are short ASCII)."""
+    out = ['"']
+    for ch in s:
+        o = ord(ch)
+        if ch == '"' or ch == "\\":
+            out.append("\\" + ch)
+        elif o < 0x20 or o > 0x7E:
+            out.append("\\u%04x" % o if o < 0x10000 else ch)
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
 
 
-def recv_all(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"message larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _netconf_value(stdin: str, key: str, default: Any) -> Any:
+    """One top-level netconf value, parsed only when needed (error paths, socket path)."""
+    import json
+    try:
+        conf = json.loads(stdin)
+        return conf.get(key, default) if isinstance(conf, dict) else default
+    except ValueError:
+        return default
 
 
-def call(socket_path: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send one request, wait for the answer. OSError/TimeoutError mean 'agent unreachable'.
+def _find_str(stdin: str, key: str) -> str | None:
+    """Cheap lookup of a simple string value ("key": "value") without a JSON parser."""
+    needle = '"' + key + '"'
+    i = stdin.find(needle)
+    if i < 0:
+        return None
+    j = stdin.find(":", i + len(needle))
+    k = stdin.find('"', j + 1) if j >= 0 else -1
+    if k < 0 or stdin[j + 1:k].strip():
+        return None
+    end = stdin.find('"', k + 1)
+    value = stdin[k + 1:end] if end > k else None
+    return None if value is None or "\\" in value else value
 
-    One JSON object each way; the client half-closes after writing. A full accept queue
-    (EAGAIN) is retried until the timeout rather than reported as an unreachable agent.
-    """
+
+def request_bytes(env: Mapping[str, str], stdin: str) -> bytes:
+    fields = ",".join(_js(k) + ":" + _js(env.get(k, "")) for k in ENV_KEYS)
+    body = stdin.strip() or "null"
+    return ('{"v":2,"env":{' + fields + '},"stdin":' + body + "}").encode()
+
+
+def exchange(path: str, payload: bytes, timeout: float) -> tuple[int, str]:
+    """One request, one answer `<exit code>\\n<stdout>`. A full accept queue (EAGAIN) is
+    retried until the timeout rather than reported as an unreachable agent."""
     import time
-
     deadline = time.monotonic() + timeout
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(max(0.05, deadline - time.monotonic()))
             try:
-                s.connect(socket_path)
+                s.connect(path)
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise
-                s.close()
                 time.sleep(0.01)
                 continue
-            s.sendall(json.dumps(request).encode())
+            s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
-            raw = recv_all(s)
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > MAX_MESSAGE_BYTES:
+                    raise ConnectionError("answer too large")
+                chunks.append(chunk)
         finally:
             s.close()
-        break
-    if not raw:
-        raise ConnectionError("agent closed the connection without an answer")
-    answer = json.loads(raw)
-    if not isinstance(answer, dict):
-        raise ProtocolError("agent answer is not an object")
-    return answer
+        raw = b"".join(chunks).decode()
+        head, sep, out = raw.partition("\n")
+        if not sep or not head.strip().lstrip("-").isdigit():
+            raise ConnectionError("agent sent no answer")
+        return int(head), out
 
 
-
-
-def cni_error(code: int, msg: str, details: str = "", version: str = "1.0.0") -> dict[str, Any]:
-    return {"cniVersion": version, "code": code, "msg": msg, "details": details}
-
-
-def parse_cni_args(raw: str) -> dict[str, str]:
-    """CNI_ARGS 'IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;…' → dict (malformed pairs skipped)."""
-    out: dict[str, str] = {}
-    for part in raw.split(";"):
-        key, sep, value = part.partition("=")
-        if sep and key.strip():
-            out[key.strip()] = value.strip()
-    return out
-
-
-def prev_result_ips(prev: Any) -> list[str]:
-    """Addresses from a prevResult of any supported version (0.3+ all use `ips`)."""
-    ips: list[str] = []
-    if isinstance(prev, dict):
-        for entry in prev.get("ips") or []:
-            if isinstance(entry, dict) and isinstance(entry.get("address"), str):
-                ips.append(entry["address"].split("/")[0])
-    return ips
-
-
-def build_request(env: dict[str, str], netconf: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "command": env.get("CNI_COMMAND", ""),
-        "container_id": env.get("CNI_CONTAINERID", ""),
-        "netns": env.get("CNI_NETNS", ""),
-        "ifname": env.get("CNI_IFNAME", ""),
-        "args": parse_cni_args(env.get("CNI_ARGS", "")),
-        "cni_version": str(netconf.get("cniVersion", "")),
-        "netconf": netconf,
-        "ips": prev_result_ips(netconf.get("prevResult")),
-    }
-
-
-def run(env: dict[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> int:
+def run(env: Mapping[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> int:
     """The plugin, as a function of its inputs: returns the exit code."""
     command = env.get("CNI_COMMAND", "")
     if command == "VERSION":
-        json.dump({"cniVersion": "1.0.0", "supportedVersions": SUPPORTED_VERSIONS}, stdout)
+        stdout.write(VERSION_JSON)
         return 0
+    sock = _find_str(stdin, "agent_socket") or _netconf_value(stdin, "agent_socket", None) \
+        or DEFAULT_SOCKET
+    timeout = DEFAULT_TIMEOUT_S
+    if '"agent_timeout_seconds"' in stdin:
+        try:
+            timeout = float(_netconf_value(stdin, "agent_timeout_seconds", DEFAULT_TIMEOUT_S))
+        except (TypeError, ValueError):
+            pass
     try:
-        netconf = json.loads(stdin) if stdin.strip() else {}
-        if not isinstance(netconf, dict):
-            raise ValueError("netconf is not a JSON object")
-    except ValueError as e:
-        json.dump(cni_error(ERR_DECODE, "failed to decode network configuration", str(e)), stdout)
-        return 1
-    version = str(netconf.get("cniVersion", "1.0.0"))
-    if version not in SUPPORTED_VERSIONS:
-        json.dump(
-            cni_error(
-                ERR_INCOMPATIBLE_VERSION,
-                f"unsupported cniVersion {version!r}",
-                f"supported: {', '.join(SUPPORTED_VERSIONS)}",
-            ),
-            stdout,
-        )
-        return 1
-    if command not in ("ADD", "DEL", "CHECK"):
-        json.dump(cni_error(ERR_INVALID_ENV, f"unknown CNI_COMMAND {command!r}", "", version), stdout)
-        return 1
-    if command in ("ADD", "CHECK") and "prevResult" not in netconf:
-        json.dump(
-            cni_error(
-                ERR_INVALID_NETCONF,
-                "aether-cni must be chained after a primary plugin: prevResult is missing",
-                "",
-                version,
-            ),
-            stdout,
-        )
-        return 1
-    if command == "ADD" and not env.get("CNI_NETNS"):
-        json.dump(cni_error(ERR_INVALID_ENV, "CNI_NETNS is required for ADD", "", version), stdout)
-        return 1
-
-    sock = str(netconf.get("agent_socket") or DEFAULT_SOCKET)
-    try:
-        timeout = float(netconf.get("agent_timeout_seconds") or DEFAULT_TIMEOUT_S)
-    except (TypeError, ValueError):
-        timeout = DEFAULT_TIMEOUT_S
-    request = build_request(env, netconf)
-    try:
-        answer = call(sock, request, timeout)
-    except (OSError, ValueError, ProtocolError) as e:
+        rc, out = exchange(str(sock), request_bytes(env, stdin), timeout)
+    except (OSError, ValueError) as e:
         if command == "DEL":
             # Nothing we can clean without the agent; it reconciles dead pods when it returns.
-            print(f"aether-cni: agent not reachable at {sock} on DEL ({e}); "
-                  "the agent cleans up on restart", file=stderr)
+            stderr.write("aether-cni: agent not reachable at %s on DEL (%s); the agent cleans "
+                         "up on restart\n" % (sock, e))
             return 0
-        json.dump(
-            cni_error(
-                ERR_AGENT_UNREACHABLE,
-                f"aether agent is not reachable at {sock}: the pod cannot be captured",
-                f"{type(e).__name__}: {e}",
-                version,
-            ),
-            stdout,
-        )
+        import json
+        version = _netconf_value(stdin, "cniVersion", "1.0.0")
+        stdout.write(json.dumps({
+            "cniVersion": str(version),
+            "code": ERR_AGENT_UNREACHABLE,
+            "msg": "aether agent is not reachable at %s: the pod cannot be captured" % sock,
+            "details": "%s: %s" % (type(e).__name__, e),
+        }))
         return 1
-    if not answer.get("ok"):
-        json.dump(
-            cni_error(
-                int(answer.get("code") or ERR_CAPTURE_FAILED),
-                str(answer.get("msg") or "aether agent refused the request"),
-                str(answer.get("details") or ""),
-                version,
-            ),
-            stdout,
-        )
-        return 1
-    if command == "ADD":
-        result = dict(netconf["prevResult"])
-        result.setdefault("cniVersion", version)
-        json.dump(result, stdout)
-    return 0
+    stdout.write(out)
+    return rc
 
 
 def main() -> None:
-    sys.exit(run(dict(os.environ), sys.stdin.read(), sys.stdout, sys.stderr))
+    sys.exit(run(os.environ, sys.stdin.read(), sys.stdout, sys.stderr))
 
 
 if __name__ == "__main__":

@@ -1,40 +1,68 @@
-"""The wire format between the `aether-cni` shim and the agent.
+"""The agent's side of the wire formats.
 
-One request a connection: the shim writes a JSON object and shuts down its write side; the
-agent answers one JSON object and closes. Small, debuggable with `socat`, no framing bugs.
-The definitions live in the self-contained shim (plugin.py); the agent imports them here.
+CNI socket (`aether-cni` → agent): the shim sends `{"v":2,"env":{CNI_*…},"stdin":<netconf>}`
+and half-closes; the agent answers `<exit code>\\n<stdout for kubelet>`. The shim stays free of
+a JSON parser on the happy path, and every CNI rule is applied in one place (request.py).
+
+Status socket: one JSON object each way (`call()`), as `aether-agent status` uses it.
 """
 
 from __future__ import annotations
 
-from agent.cni.plugin import (
-    DEFAULT_SOCKET,
-    DEFAULT_TIMEOUT_S,
-    ERR_AGENT_UNREACHABLE,
-    ERR_BAD_REQUEST,
-    ERR_CAPTURE_FAILED,
-    ERR_CHECK_DRIFT,
-    ERR_DECODE,
-    ERR_INCOMPATIBLE_VERSION,
-    ERR_INVALID_ENV,
-    ERR_INVALID_NETCONF,
-    ERR_IO,
-    ERR_TRY_AGAIN,
-    ERR_UNKNOWN_CONTAINER,
-    ERR_UNSUPPORTED_FIELD,
-    MAX_MESSAGE_BYTES,
-    SUPPORTED_VERSIONS,
-    ProtocolError,
-    call,
-    recv_all,
-)
+import json
+import socket
+from typing import Any
 
-MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES
+MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_SOCKET = "/var/run/aether/cni.sock"
+DEFAULT_TIMEOUT_S = 30.0
+SUPPORTED_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
 
-__all__ = [
-    "DEFAULT_SOCKET", "DEFAULT_TIMEOUT_S", "ERR_AGENT_UNREACHABLE", "ERR_BAD_REQUEST",
-    "ERR_CAPTURE_FAILED", "ERR_CHECK_DRIFT", "ERR_DECODE", "ERR_INCOMPATIBLE_VERSION",
-    "ERR_INVALID_ENV", "ERR_INVALID_NETCONF", "ERR_IO", "ERR_TRY_AGAIN", "ERR_UNKNOWN_CONTAINER",
-    "ERR_UNSUPPORTED_FIELD", "MAX_REQUEST_BYTES", "SUPPORTED_VERSIONS", "ProtocolError", "call",
-    "recv_all",
-]
+# CNI spec error codes
+ERR_INCOMPATIBLE_VERSION = 1
+ERR_UNSUPPORTED_FIELD = 2
+ERR_UNKNOWN_CONTAINER = 3
+ERR_INVALID_ENV = 4
+ERR_IO = 5
+ERR_DECODE = 6
+ERR_INVALID_NETCONF = 7
+ERR_TRY_AGAIN = 11
+# plugin-specific (>= 100)
+ERR_AGENT_UNREACHABLE = 100
+ERR_CAPTURE_FAILED = 101
+ERR_CHECK_DRIFT = 102
+ERR_BAD_REQUEST = 103
+
+
+class ProtocolError(Exception):
+    pass
+
+
+def recv_all(sock: socket.socket, limit: int = MAX_REQUEST_BYTES) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(f"message larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def call(socket_path: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """JSON request/answer on the status socket. OSError/TimeoutError: agent unreachable."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        s.sendall(json.dumps(request).encode())
+        s.shutdown(socket.SHUT_WR)
+        raw = recv_all(s)
+    if not raw:
+        raise ConnectionError("agent closed the connection without an answer")
+    answer = json.loads(raw)
+    if not isinstance(answer, dict):
+        raise ProtocolError("agent answer is not an object")
+    return answer

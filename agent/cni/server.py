@@ -20,12 +20,30 @@ from agent.cni import protocol as p
 log = logging.getLogger("aether.server")
 
 Handler = Callable[[Any], dict[str, Any]]
+RawHandler = Callable[[bytes], bytes]
+
+
+def json_handler(handler: Handler) -> RawHandler:
+    """Adapt a dict → dict handler (the status socket) to raw bytes."""
+
+    def raw(data: bytes) -> bytes:
+        try:
+            request = json.loads(data)
+        except ValueError as e:
+            answer: dict[str, Any] = {"ok": False, "code": p.ERR_DECODE,
+                                      "msg": "request is not valid JSON", "details": str(e)}
+        else:
+            answer = handler(request)
+        return json.dumps(answer).encode()
+
+    return raw
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
     request_queue_size = 256  # a burst of pod starts must not see EAGAIN
-    handle_request_fn: Handler
+    handle_request_fn: RawHandler
+    oversize_answer: bytes
 
 
 class _Conn(socketserver.BaseRequestHandler):
@@ -36,31 +54,28 @@ class _Conn(socketserver.BaseRequestHandler):
         sock.settimeout(10.0)
         try:
             raw = p.recv_all(sock)
-            try:
-                request = json.loads(raw)
-            except ValueError as e:
-                answer: dict[str, Any] = {"ok": False, "code": p.ERR_DECODE,
-                                          "msg": "request is not valid JSON", "details": str(e)}
-            else:
-                answer = self.server.handle_request_fn(request)
+            answer = self.server.handle_request_fn(raw)
         except p.ProtocolError as e:
-            answer = {"ok": False, "code": p.ERR_BAD_REQUEST, "msg": str(e), "details": ""}
+            log.warning("rejected a request on %s: %s", self.server.server_address, e)
+            answer = self.server.oversize_answer
         except OSError as e:
             log.warning("client connection failed: %s", e)
             return
         try:
-            sock.sendall(json.dumps(answer).encode())
+            sock.sendall(answer)
         except OSError as e:
             log.warning("client went away before the answer: %s", e)
 
 
 class UnixJsonServer:
-    """Serve `handler(request) -> answer` on a root-only unix socket."""
+    """Serve `handler(request bytes) -> answer bytes` on a root-only unix socket."""
 
-    def __init__(self, path: str, handler: Handler, name: str = "cni") -> None:
+    def __init__(self, path: str, handler: RawHandler, name: str = "cni",
+                 oversize_answer: bytes = b'{"ok": false, "msg": "request too large"}') -> None:
         self.path = path
         self.name = name
         self._handler = handler
+        self._oversize = oversize_answer
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -75,6 +90,7 @@ class UnixJsonServer:
             os.umask(old)
         os.chmod(self.path, 0o600)
         server.handle_request_fn = self._handler
+        server.oversize_answer = self._oversize
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name=f"{self.name}-server",
                                         daemon=True)
