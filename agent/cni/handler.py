@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -90,6 +90,9 @@ class CniHandler:
         self.sink: ListenerSink = sink or NullSink()
         self.counters = Counters()
         self.recent_problems: deque[dict[str, Any]] = deque(maxlen=200)
+        # registration hooks for the mesh model (the CNI is a registration source)
+        self.on_captured: Callable[[CapturedPod, dict[str, str], dict[str, str]], None] | None = None
+        self.on_released: Callable[[CapturedPod], None] | None = None
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
 
@@ -272,6 +275,11 @@ class CniHandler:
                 str(e),
             ) from e
         self.counters.add_ok += 1
+        if self.on_captured is not None:
+            try:
+                self.on_captured(record, pod.labels, pod.annotations)
+            except Exception:  # registration is best effort; capture already holds
+                log.exception("registering %s in the mesh model failed", pod.key)
         log.info("ADD %s captured (%s, %s)", pod.key, decision.policy.mode, decision.reason,
                  extra=fields)
 
@@ -307,6 +315,11 @@ class CniHandler:
             except OSError as e:
                 raise CniFailure(p.ERR_TRY_AGAIN, f"unpinning netns of {record.key}", str(e)) from e
         self.store.remove(record.container_id)
+        if self.on_released is not None:
+            try:
+                self.on_released(record)
+            except Exception:
+                log.exception("unregistering %s from the mesh model failed", record.key)
         self.counters.del_ok += 1
         log.info("DEL %s: capture removed", record.key,
                  extra={"pod": record.name, "namespace": record.namespace})

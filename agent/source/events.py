@@ -20,7 +20,7 @@ from agent.source.base import WatchEvent
 log = logging.getLogger("aether.source.events")
 
 ObjKey = tuple[str, str, str]  # kind, namespace ("" for cluster-scoped), name
-Callback = Callable[[WatchEvent], None]
+Callback = Callable[[WatchEvent], object]
 
 #: Kinds without a namespace; everything else defaults to "default" like kubectl does.
 CLUSTER_SCOPED = frozenset({"Namespace", "Node"})
@@ -81,7 +81,7 @@ class ObjectStore:
         with self._lock:
             return self._objects.get((kind, namespace, name))
 
-    def list(self, kind: str) -> list[dict[str, Any]]:
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:
             return [o for (k, _, _), o in sorted(self._objects.items()) if k == kind]
 

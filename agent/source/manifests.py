@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -70,6 +71,7 @@ class ManifestSource:
         self._lock = threading.Lock()
         self._stamp: tuple[tuple[str, float], ...] | None = None
         self._objects: dict[ObjKey, dict[str, Any]] = {}
+        self._scanned_at = -1.0
         self.events: deque[PodEvent] = deque(maxlen=500)
         self.problems: list[str] = []
 
@@ -99,8 +101,13 @@ class ManifestSource:
         self._objects, self.problems, self._stamp = objects, problems, stamp
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        asked = time.monotonic()
         with self._lock:
-            self._refresh()
+            # A refresh that started after this lookup began already saw every change made
+            # before it: concurrent ADDs share one directory scan instead of queueing N.
+            if self._scanned_at < asked:
+                self._scanned_at = time.monotonic()
+                self._refresh()
             return self._objects.get((kind, namespace, name))
 
     def get_pod(self, namespace: str, name: str) -> PodMeta | None:
@@ -114,6 +121,7 @@ class ManifestSource:
     def snapshot(self) -> list[WatchEvent]:
         """Every object as an ADDED event: the same shape a Kubernetes list produces."""
         with self._lock:
+            self._scanned_at = time.monotonic()
             self._refresh()
             return [WatchEvent("ADDED", k[0], o) for k, o in sorted(self._objects.items())]
 

@@ -105,7 +105,8 @@ def _load_api_client(source: client.ApiClient | str | None) -> client.ApiClient:
         else:
             config.load_kube_config(config_file=source, client_configuration=cfg)
     except Exception as exc:
-        raise SourceError(f"cannot load Kubernetes config from {source or 'in-cluster'}: {exc}")
+        where = source or "in-cluster service account"
+        raise SourceError(f"cannot load Kubernetes config from {where}: {exc}") from exc
     # The watcher owns retries; urllib3's silent read retries would hide cuts.
     cfg.retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0)
     return client.ApiClient(cfg)

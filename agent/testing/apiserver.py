@@ -67,6 +67,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(_GW, "v1", "httproutes", "HTTPRoute", status=True),
     Resource(_GW, "v1", "grpcroutes", "GRPCRoute", status=True),
     Resource("coordination.k8s.io", "v1", "leases", "Lease"),
+    Resource("apps", "v1", "daemonsets", "DaemonSet", status=True),
 )
 
 _REASONS = {

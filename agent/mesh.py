@@ -1,0 +1,145 @@
+"""The mesh runtime: objects from a source → MeshModel → Envoy, kept current in the background.
+
+One event model serves both backends: the Kubernetes watcher and the manifest-directory
+watcher fill the same ObjectStore, whose events feed the model. Model changes mark the proxy
+config dirty; a publisher thread coalesces bursts (a relist of 10k Services is one push, not
+10k). CNI ADD/DEL register local pods the moment capture succeeds, before the API reports
+their IPs, and the passthrough access log teaches the dependency set what pods dial.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agent.config import NodeConfig
+from agent.scope.model import MeshModel, ServiceView
+from agent.source.base import WatchEvent
+from agent.source.events import ObjectStore
+from agent.state import CapturedPod
+
+log = logging.getLogger("aether.mesh")
+
+
+class ServiceSink(Protocol):
+    def set_services(self, views: list[ServiceView]) -> Any: ...
+
+
+class Watcher(Protocol):
+    def start(self) -> Any: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+    def wait_synced(self, timeout: float | None = None) -> bool: ...
+    def describe(self) -> str: ...
+
+
+class MeshRuntime:
+    def __init__(self, node: NodeConfig, *, mesh_domain: str = "aether.internal",
+                 trust_domain: str = "cluster.local", scope_all: bool = False,
+                 learn_ttl: float = 600.0, debounce_s: float = 0.05) -> None:
+        self.objects = ObjectStore()
+        self.model = MeshModel(mesh_domain, trust_domain, node.node_name, node=node,
+                               scope_all=scope_all, learn_ttl=learn_ttl)
+        self.sink: ServiceSink | None = None
+        self.watcher: Watcher | None = None
+        self.debounce_s = debounce_s
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._publisher, name="mesh-publisher", daemon=True)
+        self.pushes = 0
+        self.last_push_s = 0.0
+        self.learned_total = 0
+        self._unsubscribe: Callable[[], None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, watcher: Watcher | None, sink: ServiceSink | None,
+              sync_timeout: float = 30.0) -> None:
+        self.sink = sink
+        self.watcher = watcher
+        self._unsubscribe = self.objects.on_event(self._on_event)
+        if watcher is not None:
+            watcher.start()
+            if not watcher.wait_synced(sync_timeout):
+                log.warning("mesh source %s not synced after %.0fs; serving what is known",
+                            watcher.describe(), sync_timeout)
+        self.publish_now()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+
+    # -- inputs ----------------------------------------------------------------------------
+    def _on_event(self, event: WatchEvent) -> None:
+        try:
+            if self.model.apply(event):
+                self._dirty.set()
+        except Exception:  # a malformed object must never take the agent down
+            log.exception("mesh model rejected %s %s", event.type, event.kind)
+
+    def pod_captured(self, pod: CapturedPod, labels: dict[str, str],
+                     annotations: dict[str, str]) -> None:
+        changed = self.model.register_local(pod.uid, pod.namespace, pod.name,
+                                            pod.service_account, pod.ips, labels=labels,
+                                            annotations=annotations, ready=True)
+        if changed:
+            self._dirty.set()
+
+    def pod_released(self, pod: CapturedPod) -> None:
+        if self.model.unregister_local(pod.namespace, pod.name):
+            self._dirty.set()
+
+    def learned(self, dst_ip: str, dst_port: int) -> None:
+        """The passthrough saw a pod dial dst: an in-mesh Service joins the set (TTL)."""
+        if self.model.learn(dst_ip, dst_port):
+            self.learned_total += 1
+            log.info("dependency learned from traffic: %s:%d", dst_ip, dst_port)
+            self._dirty.set()
+        elif self.model.lookup_cluster_ip(dst_ip, dst_port) is not None:
+            self._dirty.set()  # refreshed TTL; cheap no-op push if nothing changed
+
+    # -- output ----------------------------------------------------------------------------
+    def publish_now(self) -> None:
+        if self.sink is None:
+            return
+        t0 = time.monotonic()
+        views = self.model.in_scope_services()
+        self.sink.set_services(views)
+        self.pushes += 1
+        self.last_push_s = time.monotonic() - t0
+
+    def _publisher(self) -> None:
+        while not self._stop.is_set():
+            self._dirty.wait(timeout=5.0)
+            if self._stop.is_set():
+                return
+            if self.model.expire():
+                self._dirty.set()
+            if not self._dirty.is_set():
+                continue
+            time.sleep(self.debounce_s)  # coalesce a burst of events into one push
+            self._dirty.clear()
+            try:
+                self.publish_now()
+            except Exception:
+                log.exception("publishing the mesh config failed; will retry")
+                time.sleep(0.5)
+                self._dirty.set()
+
+    def status(self) -> dict[str, Any]:
+        scope = self.model.explain()
+        return {
+            "source": self.watcher.describe() if self.watcher else None,
+            "objects": len(self.objects),
+            "dependency_set_size": len(self.model.in_scope_keys()),
+            "dependency_set": scope,
+            "pushes": self.pushes,
+            "last_push_ms": round(self.last_push_s * 1000, 2),
+            "learned_total": self.learned_total,
+        }

@@ -1,0 +1,382 @@
+"""The mesh model: one in-memory view of registry, Service catalog, route targets and scope.
+
+``MeshModel.apply`` takes the WatchEvents both sources emit and returns the Service keys whose
+served view changed, so the xDS builder rebuilds only those (one pod or one Service changing
+touches only the Services that depend on it). Reads (``resolve``, ``in_scope_services``,
+``lookup_cluster_ip``) are what capture, xDS and traffic learning need. All of it is pure
+bookkeeping under one lock; no I/O, so every rule here is unit-testable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.config import NodeConfig
+from agent.scope.deps import DEFAULT_LEARN_TTL, DEPENDENCIES_ANNOTATION, DependencySet
+from agent.scope.registry import PodRecord, Registry
+from agent.scope.routes import ROUTE_KINDS, Route, RouteCatalog, route_from_object
+from agent.scope.services import (
+    DEFAULT_MESH_DOMAIN,
+    Service,
+    ServiceCatalog,
+    ServicePort,
+    service_from_object,
+)
+from agent.source.base import WatchEvent
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One backend address for one Service port; identity is the pod's own SA."""
+
+    ip: str
+    port: int
+    sa_identity: str
+    ready: bool
+    draining: bool
+    san: str = ""
+    pod: str = ""
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    """What the xDS builder needs for one in-scope Service.
+
+    ``routes`` non-empty: a route target, its vhost uses these routes (no identity of its
+    own). Empty: an identity route to its own ``endpoints``. ``endpoints`` are the Service as
+    a backend cluster (per Service port, targetPorts resolved per pod).
+    """
+
+    key: str
+    namespace: str
+    name: str
+    cluster_ips: tuple[str, ...]
+    ports: tuple[ServicePort, ...]
+    names: tuple[str, ...]
+    endpoints: dict[int, tuple[Endpoint, ...]] = field(default_factory=dict)
+    routes: tuple[Route, ...] = ()
+
+    @property
+    def is_route_target(self) -> bool:
+        return bool(self.routes)
+
+    @property
+    def backends(self) -> frozenset[str]:
+        out: set[str] = set()
+        for r in self.routes:
+            out |= r.backend_keys
+        return frozenset(out)
+
+
+@dataclass
+class _Slice:
+    service: str
+    pods: set[str]
+    ips: set[str]
+    ports: dict[str, int]
+
+
+class MeshModel:
+    """Registry + catalogs + dependency set, fed by WatchEvents (see module docstring)."""
+
+    def __init__(
+        self,
+        mesh_domain: str = DEFAULT_MESH_DOMAIN,
+        trust_domain: str = "cluster.local",
+        node_name: str = "",
+        *,
+        node: NodeConfig | None = None,
+        scope_all: bool = False,
+        learn_ttl: float = DEFAULT_LEARN_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.mesh_domain = mesh_domain
+        self.trust_domain = trust_domain
+        self.node = node or NodeConfig(node_name=node_name or "localhost")
+        self.node_name = self.node.node_name
+        self._lock = threading.RLock()
+        self.services = ServiceCatalog()
+        self.registry = Registry(self.node)
+        self.routes = RouteCatalog()
+        self.deps = DependencySet(ttl=learn_ttl, clock=clock, scope_all=scope_all)
+        self._slices: dict[str, _Slice] = {}  # "<ns>/<slice>" → refs
+        self._slices_by_svc: dict[str, set[str]] = {}
+        self._slice_ports: dict[str, dict[str, int]] = {}
+        self._in_mesh: set[str] = set()
+        self._scope: set[str] = set()
+        self._scope_dirty = False
+        self._views: dict[str, ServiceView] = {}
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def apply(self, event: WatchEvent) -> set[str]:
+        """Apply one event; returns the Service keys whose served view changed."""
+        with self._lock:
+            affected = self._apply(event)
+            return self._finish(affected)
+
+    def register_local(
+        self,
+        uid: str,
+        namespace: str,
+        name: str,
+        service_account: str,
+        ips: tuple[str, ...] | list[str],
+        **kw: Any,
+    ) -> set[str]:
+        """CNI ADD succeeded: register the pod now (labels/annotations/ready via kw)."""
+        with self._lock:
+            svcs, pods = self.registry.register_local(
+                uid, namespace, name, service_account, ips, **kw
+            )
+            return self._finish(svcs | self._after_pods(pods))
+
+    def unregister_local(self, namespace: str, name: str) -> set[str]:
+        with self._lock:
+            svcs, pods = self.registry.unregister_local(namespace, name)
+            return self._finish(svcs | self._after_pods(pods))
+
+    def learn(self, ip: str, port: int) -> set[str]:
+        """Access log: a local pod dialled ip:port. An in-mesh Service joins the set (TTL)."""
+        with self._lock:
+            key = self.lookup_cluster_ip(ip, port)
+            if key is None:
+                return set()
+            if self.deps.learn(key):
+                self._scope_dirty = True
+            return self._finish(set())
+
+    def expire(self) -> set[str]:
+        """Drop lapsed learned entries (call on a timer; see deps.next_expiry)."""
+        with self._lock:
+            if self.deps.expire():
+                self._scope_dirty = True
+            return self._finish(set())
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def lookup_cluster_ip(self, ip: str, port: int) -> str | None:
+        """The in-mesh Service with ClusterIP ``ip`` serving ``port``, else None."""
+        with self._lock:
+            key = self.services.by_cluster_ip(ip, port)
+            return key if key is not None and key in self._in_mesh else None
+
+    def is_in_mesh(self, key: str) -> bool:
+        with self._lock:
+            return key in self._in_mesh
+
+    def resolve(self, service_key: str) -> dict[int, list[Endpoint]]:
+        """Service port → endpoints (targetPort resolved per pod; both IP families)."""
+        with self._lock:
+            view = self._view(service_key)
+            return {} if view is None else {p: list(e) for p, e in view.endpoints.items()}
+
+    def view(self, service_key: str) -> ServiceView | None:
+        with self._lock:
+            return self._view(service_key)
+
+    def in_scope_keys(self) -> set[str]:
+        with self._lock:
+            self._finish(set())
+            return set(self._scope)
+
+    def in_scope_services(self) -> list[ServiceView]:
+        with self._lock:
+            self._finish(set())
+            views = (self._view(k) for k in sorted(self._scope))
+            return [v for v in views if v is not None]
+
+    def endpoints_for_identity(self, identity: str) -> list[PodRecord]:
+        with self._lock:
+            return self.registry.by_identity(identity)
+
+    def explain(self) -> dict[str, list[str]]:
+        """Why each Service is (or, when named but not servable, is not) in scope."""
+        with self._lock:
+            why = self._explain()
+            served = self._served(why)
+            out: dict[str, list[str]] = {}
+            for k, reasons in sorted(why.items()):
+                out[k] = list(reasons)
+                if k not in served:
+                    out[k].append(
+                        "not served: unknown Service" if k not in self.services
+                        else "not served: no managed endpoints and no route"
+                    )
+            return out
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _apply(self, event: WatchEvent) -> set[str]:
+        kind, obj = event.kind, event.obj
+        meta = obj.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        ns = str(meta.get("namespace") or "default")
+        deleted = event.type == "DELETED"
+        if kind == "Namespace":
+            svcs, pods = self.registry.set_namespace(None if deleted else obj, name)
+            return svcs | self._after_pods(pods)
+        if kind == "Pod":
+            if deleted:
+                svcs, pods = self.registry.remove_pod(ns, name)
+            else:
+                svcs, pods = self.registry.upsert_pod(obj)
+            return svcs | self._after_pods(pods)
+        if kind == "Service":
+            return self._apply_service(ns, name, None if deleted else service_from_object(obj))
+        if kind == "EndpointSlice":
+            return self._apply_slice(ns, name, None if deleted else obj)
+        if kind in ROUTE_KINDS:
+            if deleted:
+                targets = self.routes.remove(kind, ns, name)
+            else:
+                targets = self.routes.upsert(route_from_object(kind, obj))
+            if targets:
+                self._scope_dirty = True  # backendRefs (the closure) may have changed
+            return targets
+        return set()
+
+    def _apply_service(self, ns: str, name: str, svc: Service | None) -> set[str]:
+        key = f"{ns}/{name}"
+        if svc is None:
+            if self.services.remove(key) is None:
+                return set()
+            self.registry.remove_service(key)
+            self._scope_dirty = True
+            return {key}
+        old = self.services.upsert(svc)
+        members_changed = self.registry.set_service(key, ns, svc.selector)
+        if old is None:
+            self._scope_dirty = True  # a new Service may match an ns/* or a declared name
+        return {key} if (old != svc or members_changed) else set()
+
+    def _apply_slice(self, ns: str, name: str, obj: dict[str, Any] | None) -> set[str]:
+        skey = f"{ns}/{name}"
+        old = self._slices.pop(skey, None)
+        if old is not None:
+            self._slices_by_svc.get(old.service, set()).discard(skey)
+        if obj is not None:
+            svc_name = ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
+            if svc_name:
+                sl = _Slice(f"{ns}/{svc_name}", set(), set(), {})
+                for p in obj.get("ports") or []:
+                    if isinstance(p, dict) and isinstance(p.get("port"), int):
+                        sl.ports[str(p.get("name") or "")] = p["port"]
+                for ep in obj.get("endpoints") or []:
+                    if not isinstance(ep, dict):
+                        continue
+                    ref = ep.get("targetRef") or {}
+                    if ref.get("kind") == "Pod" and ref.get("name"):
+                        sl.pods.add(f"{ref.get('namespace') or ns}/{ref['name']}")
+                    sl.ips |= {str(a) for a in ep.get("addresses") or []}
+                self._slices[skey] = sl
+                self._slices_by_svc.setdefault(sl.service, set()).add(skey)
+        affected: set[str] = set()
+        for svc in {s.service for s in (old, self._slices.get(skey)) if s is not None}:
+            slices = [self._slices[k] for k in self._slices_by_svc.get(svc, ())]
+            ports: dict[str, int] = {}
+            for s in slices:
+                ports.update(s.ports)
+            changed = self.registry.set_slice_refs(
+                svc,
+                set().union(*(s.pods for s in slices)) if slices else set(),
+                set().union(*(s.ips for s in slices)) if slices else set(),
+            )
+            if ports != self._slice_ports.get(svc, {}):
+                self._slice_ports[svc] = ports
+                svc_obj = self.services.get(svc)
+                changed = changed or (svc_obj is not None and svc_obj.selector is None)
+            if changed:
+                affected.add(svc)
+        return affected
+
+    def _after_pods(self, pods: set[str]) -> set[str]:
+        """Local managed pods' declarations feed the dependency set; others leave it."""
+        for key in pods:
+            rec = self.registry.get(key)
+            if rec is not None and rec.local:
+                changed = self.deps.set_declared(
+                    key, rec.annotations.get(DEPENDENCIES_ANNOTATION), rec.namespace
+                )
+            else:
+                changed = self.deps.remove_pod(key)
+            self._scope_dirty |= changed
+        return set()
+
+    def _finish(self, affected: set[str]) -> set[str]:
+        """Invalidate views, track in-mesh status, recompute the scope if anything moved it."""
+        for key in affected:
+            self._views.pop(key, None)
+            now_in = key in self.services and (
+                bool(self.registry.members(key)) or self.routes.is_target(key)
+            )
+            if now_in != (key in self._in_mesh):
+                self._scope_dirty = True
+                if now_in:
+                    self._in_mesh.add(key)
+                else:
+                    self._in_mesh.discard(key)
+        if self._scope_dirty:
+            self._scope_dirty = False
+            new = self._served(self._explain())
+            affected = affected | (new ^ self._scope)
+            self._scope = new
+        return affected
+
+    def _explain(self) -> dict[str, list[str]]:
+        return self.deps.explain(
+            self.services.in_namespace,
+            self.routes.backends_of,
+            lambda: sorted(self._in_mesh),
+        )
+
+    def _served(self, why: dict[str, list[str]]) -> set[str]:
+        """In the set and servable: in-mesh, or a backend of a served route target."""
+        backends: set[str] = set()
+        for k in why:
+            if self.routes.is_target(k):
+                backends |= self.routes.backends_of(k)
+        return {k for k in why if k in self.services and (k in self._in_mesh or k in backends)}
+
+    def _view(self, key: str) -> ServiceView | None:
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        svc = self.services.get(key)
+        if svc is None:
+            return None
+        members = self.registry.members(key)
+        slice_ports = self._slice_ports.get(key, {}) if svc.selector is None else {}
+        endpoints: dict[int, tuple[Endpoint, ...]] = {}
+        for sp in svc.ports:
+            eps: list[Endpoint] = []
+            for rec in members:
+                target = slice_ports.get(sp.name) or rec.target_port(sp.target_port)
+                if target is None:
+                    continue  # a named targetPort this pod does not define: not an endpoint
+                san = rec.san(self.trust_domain)
+                eps.extend(
+                    Endpoint(ip, target, rec.identity, rec.ready, rec.terminating, san,
+                             rec.key, rec.local)
+                    for ip in rec.ips
+                )
+            endpoints[sp.port] = tuple(eps)
+        view = ServiceView(
+            key=key,
+            namespace=svc.namespace,
+            name=svc.name,
+            cluster_ips=svc.cluster_ips,
+            ports=svc.ports,
+            names=svc.names(self.mesh_domain),
+            endpoints=endpoints,
+            routes=tuple(self.routes.routes_for(key)),
+        )
+        self._views[key] = view
+        return view

@@ -1,0 +1,383 @@
+"""The endpoint registry: managed pods, indexed by identity and by the Services that pick them.
+
+Endpoints are managed pods only (proposal 020: the registry is the source of truth, not
+EndpointSlices). Each keeps its own ServiceAccount identity ``<ns>/<sa>`` (SAN
+``spiffe://<td>/ns/<ns>/sa/<sa>``), so two Services whose pods all run as ``default`` stay two
+backends with the same identity rather than one merged cluster. Two sources register pods:
+the API (any node) and the CNI ADD on this node, which arrives before the API reports the
+pod's IP; the record merges both so a local pod is an endpoint from its first instant.
+
+Service membership is maintained incrementally: a pod change re-matches only the Services
+of its namespace; a Service change re-matches only the pods of its namespace. Selectorless
+Services take their members from their EndpointSlices (by targetRef, else by address).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.capture.policy import decide
+from agent.config import NodeConfig
+from agent.scope.services import canonical_ip
+from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object
+
+
+def spiffe_id(trust_domain: str, namespace: str, service_account: str) -> str:
+    return f"spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """One managed pod as the mesh sees it (an endpoint, possibly local)."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+    service_account: str = "default"
+    ips: tuple[str, ...] = ()
+    node_name: str = ""
+    ready: bool = False
+    terminating: bool = False
+    local: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    named_ports: dict[str, int] = field(default_factory=dict)
+    sources: frozenset[str] = frozenset()
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def identity(self) -> str:
+        return f"{self.namespace}/{self.service_account}"
+
+    def san(self, trust_domain: str) -> str:
+        return spiffe_id(trust_domain, self.namespace, self.service_account)
+
+    def target_port(self, target: int | str) -> int | None:
+        """A Service targetPort in this pod: ints as is, names via the containers' ports."""
+        if isinstance(target, int):
+            return target
+        return self.named_ports.get(target)
+
+
+@dataclass(frozen=True)
+class CniRegistration:
+    """What the CNI ADD knows about a local pod, before the API has caught up."""
+
+    uid: str
+    namespace: str
+    name: str
+    service_account: str
+    ips: tuple[str, ...]
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    ready: bool = False
+
+
+def _pod_ips(obj: dict[str, Any]) -> tuple[str, ...]:
+    status = obj.get("status") or {}
+    raw = [p.get("ip") for p in status.get("podIPs") or [] if isinstance(p, dict)]
+    if not raw and status.get("podIP"):
+        raw = [status["podIP"]]
+    out: list[str] = []
+    for ip in raw:
+        c = canonical_ip(str(ip)) if ip else None
+        if c and c not in out:
+            out.append(c)
+    return tuple(out)
+
+
+def _ready(obj: dict[str, Any]) -> bool:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if isinstance(cond, dict) and cond.get("type") == "Ready":
+            return str(cond.get("status")) == "True"
+    return False
+
+
+def _named_ports(obj: dict[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    spec = obj.get("spec") or {}
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        for p in (c or {}).get("ports") or []:
+            name, number = (p or {}).get("name"), (p or {}).get("containerPort")
+            if name and isinstance(number, int) and name not in out:
+                out[str(name)] = number
+    return out
+
+
+def _selects(selector: dict[str, str] | None, labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in (selector or {}).items())
+
+
+class Registry:
+    """Managed pods + Service membership. Not thread-safe: the model serialises calls."""
+
+    def __init__(self, node: NodeConfig) -> None:
+        self.node = node
+        self._api: dict[str, dict[str, Any]] = {}
+        self._cni: dict[str, CniRegistration] = {}
+        self._namespaces: dict[str, NamespaceMeta] = {}
+        self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
+        self._records: dict[str, PodRecord] = {}
+        self._by_identity: dict[str, set[str]] = {}
+        self._by_ip: dict[str, str] = {}
+        # membership
+        self._selectors: dict[str, tuple[str, dict[str, str] | None]] = {}
+        self._svcs_by_ns: dict[str, set[str]] = {}
+        self._slice_pods: dict[str, set[str]] = {}
+        self._slice_ips: dict[str, set[str]] = {}
+        self._slice_by_pod: dict[str, set[str]] = {}
+        self._slice_by_ip: dict[str, set[str]] = {}
+        self._members: dict[str, set[str]] = {}
+        self._pod_svcs: dict[str, set[str]] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def get(self, pod_key: str) -> PodRecord | None:
+        return self._records.get(pod_key)
+
+    def records(self) -> list[PodRecord]:
+        return [self._records[k] for k in sorted(self._records)]
+
+    def local(self) -> list[PodRecord]:
+        return [r for r in self.records() if r.local]
+
+    def by_identity(self, identity: str) -> list[PodRecord]:
+        return [self._records[k] for k in sorted(self._by_identity.get(identity, ()))]
+
+    def identities(self) -> list[str]:
+        return sorted(self._by_identity)
+
+    def by_ip(self, ip: str) -> PodRecord | None:
+        c = canonical_ip(ip)
+        key = self._by_ip.get(c) if c else None
+        return self._records.get(key) if key else None
+
+    def members(self, svc_key: str) -> list[PodRecord]:
+        """The managed pods a Service resolves to (selector, or its slices if selectorless)."""
+        return [self._records[k] for k in sorted(self._members.get(svc_key, ()))]
+
+    def services_of(self, pod_key: str) -> set[str]:
+        return set(self._pod_svcs.get(pod_key, ()))
+
+    # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
+
+    def upsert_pod(self, obj: dict[str, Any]) -> tuple[set[str], set[str]]:
+        """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
+        meta = pod_from_object(obj)
+        self._api[meta.key] = obj
+        self._pod_keys_by_ns.setdefault(meta.namespace, set()).add(meta.key)
+        return self._refresh_pods({meta.key})
+
+    def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
+        key = f"{namespace}/{name}"
+        self._api.pop(key, None)
+        return self._refresh_pods({key})
+
+    def register_local(
+        self,
+        uid: str,
+        namespace: str,
+        name: str,
+        service_account: str,
+        ips: tuple[str, ...] | list[str],
+        *,
+        labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None,
+        ready: bool = False,
+    ) -> tuple[set[str], set[str]]:
+        """CNI ADD succeeded: the pod is a (local, managed) endpoint now, API or not."""
+        ips_c = tuple(c for c in (canonical_ip(str(i)) for i in ips) if c)
+        reg = CniRegistration(uid, namespace, name, service_account or "default", ips_c,
+                              dict(labels or {}), dict(annotations or {}), ready)
+        key = f"{namespace}/{name}"
+        self._cni[key] = reg
+        self._pod_keys_by_ns.setdefault(namespace, set()).add(key)
+        return self._refresh_pods({key})
+
+    def unregister_local(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
+        """CNI DEL: forget the CNI half; the API half (if any) keeps the pod until DELETED."""
+        key = f"{namespace}/{name}"
+        self._cni.pop(key, None)
+        return self._refresh_pods({key})
+
+    def set_namespace(self, obj: dict[str, Any] | None, name: str) -> tuple[set[str], set[str]]:
+        """Namespace labels decide managed-ness of label-less pods: re-evaluate that ns only."""
+        if obj is None:
+            if self._namespaces.pop(name, None) is None:
+                return set(), set()
+        else:
+            meta = namespace_from_object(obj)
+            if self._namespaces.get(name) == meta:
+                return set(), set()
+            self._namespaces[name] = meta
+        return self._refresh_pods(set(self._pod_keys_by_ns.get(name, ())))
+
+    # ---- service inputs --------------------------------------------------------------------
+
+    def set_service(
+        self, svc_key: str, namespace: str, selector: dict[str, str] | None
+    ) -> bool:
+        """Service ADDED/MODIFIED; True if its member set changed."""
+        old = self._selectors.get(svc_key)
+        self._selectors[svc_key] = (namespace, selector)
+        self._svcs_by_ns.setdefault(namespace, set()).add(svc_key)
+        if old == (namespace, selector):
+            return False
+        return self._rematch_service(svc_key)
+
+    def remove_service(self, svc_key: str) -> bool:
+        entry = self._selectors.pop(svc_key, None)
+        if entry is not None:
+            keys = self._svcs_by_ns.get(entry[0], set())
+            keys.discard(svc_key)
+        changed = bool(self._members.get(svc_key))
+        self._set_members(svc_key, set())
+        self._members.pop(svc_key, None)
+        return changed
+
+    def set_slice_refs(self, svc_key: str, pod_keys: set[str], ips: set[str]) -> bool:
+        """The union of a Service's EndpointSlices (pod targetRefs and addresses)."""
+        ips = {c for c in (canonical_ip(i) for i in ips) if c}
+        for p in self._slice_pods.get(svc_key, ()):
+            self._slice_by_pod.get(p, set()).discard(svc_key)
+        for ip in self._slice_ips.get(svc_key, ()):
+            self._slice_by_ip.get(ip, set()).discard(svc_key)
+        self._slice_pods[svc_key], self._slice_ips[svc_key] = set(pod_keys), ips
+        for p in pod_keys:
+            self._slice_by_pod.setdefault(p, set()).add(svc_key)
+        for ip in ips:
+            self._slice_by_ip.setdefault(ip, set()).add(svc_key)
+        return self._rematch_service(svc_key)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _build(self, key: str) -> PodRecord | None:
+        obj, reg = self._api.get(key), self._cni.get(key)
+        if obj is None and reg is None:
+            return None
+        if obj is None:
+            assert reg is not None
+            return PodRecord(
+                namespace=reg.namespace, name=reg.name, uid=reg.uid,
+                service_account=reg.service_account, ips=reg.ips, node_name=self.node.node_name,
+                ready=reg.ready, local=True, labels=reg.labels, annotations=reg.annotations,
+                sources=frozenset({"cni"}),
+            )
+        phase = str((obj.get("status") or {}).get("phase") or "")
+        if phase in ("Succeeded", "Failed"):
+            return None  # finished pods are no endpoints, even if the object lingers
+        meta = pod_from_object(obj)
+        if reg is None:
+            decision = decide(meta, self._namespaces.get(meta.namespace), self.node, False)
+            if not decision.captured:
+                return None
+        ips = _pod_ips(obj)
+        if reg is not None and (not ips or (reg.uid and meta.uid and reg.uid != meta.uid)):
+            ips = reg.ips  # the CNI saw the sandbox before the API reported it
+        return PodRecord(
+            namespace=meta.namespace,
+            name=meta.name,
+            uid=meta.uid or (reg.uid if reg else ""),
+            service_account=meta.service_account,
+            ips=ips,
+            node_name=meta.node_name,
+            ready=_ready(obj) or (reg is not None and reg.ready and not _pod_ips(obj)),
+            terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
+            local=reg is not None or (bool(meta.node_name) and meta.node_name == self.node.node_name),
+            labels=meta.labels,
+            annotations=meta.annotations,
+            named_ports=_named_ports(obj),
+            sources=frozenset({"api"} | ({"cni"} if reg else set())),
+        )
+
+    def _refresh_pods(self, keys: set[str]) -> tuple[set[str], set[str]]:
+        affected: set[str] = set()
+        changed_pods: set[str] = set()
+        for key in keys:
+            old, new = self._records.get(key), self._build(key)
+            if key not in self._api and key not in self._cni:
+                ns = key.split("/", 1)[0]
+                self._pod_keys_by_ns.get(ns, set()).discard(key)
+            if old == new:
+                continue
+            changed_pods.add(key)
+            if old is not None:
+                self._unindex(old)
+            if new is None:
+                self._records.pop(key, None)
+            else:
+                self._records[key] = new
+                self._by_identity.setdefault(new.identity, set()).add(key)
+                for ip in new.ips:
+                    self._by_ip[ip] = key
+            old_svcs = self._pod_svcs.get(key, set())
+            new_svcs = self._match_pod(new) if new is not None else set()
+            for s in old_svcs - new_svcs:
+                self._members.get(s, set()).discard(key)
+            for s in new_svcs - old_svcs:
+                self._members.setdefault(s, set()).add(key)
+            if new_svcs:
+                self._pod_svcs[key] = new_svcs
+            else:
+                self._pod_svcs.pop(key, None)
+            affected |= old_svcs | new_svcs
+        return affected, changed_pods
+
+    def _unindex(self, rec: PodRecord) -> None:
+        ids = self._by_identity.get(rec.identity)
+        if ids is not None:
+            ids.discard(rec.key)
+            if not ids:
+                del self._by_identity[rec.identity]
+        for ip in rec.ips:
+            if self._by_ip.get(ip) == rec.key:
+                del self._by_ip[ip]
+
+    def _match_pod(self, rec: PodRecord) -> set[str]:
+        out: set[str] = set()
+        for svc in self._svcs_by_ns.get(rec.namespace, ()):
+            ns, selector = self._selectors[svc]
+            if selector is not None and _selects(selector, rec.labels):
+                out.add(svc)
+        sliced = set(self._slice_by_pod.get(rec.key, ()))
+        for ip in rec.ips:
+            sliced |= self._slice_by_ip.get(ip, set())
+        out |= {s for s in sliced if s in self._selectors and self._selectors[s][1] is None}
+        return out
+
+    def _rematch_service(self, svc_key: str) -> bool:
+        entry = self._selectors.get(svc_key)
+        members: set[str] = set()
+        if entry is not None:
+            ns, selector = entry
+            if selector is not None:
+                members = {
+                    k for k in self._pod_keys_by_ns.get(ns, ())
+                    if k in self._records and _selects(selector, self._records[k].labels)
+                }
+            else:
+                members = {k for k in self._slice_pods.get(svc_key, ()) if k in self._records}
+                members |= {
+                    self._by_ip[ip] for ip in self._slice_ips.get(svc_key, ()) if ip in self._by_ip
+                }
+        return self._set_members(svc_key, members)
+
+    def _set_members(self, svc_key: str, members: set[str]) -> bool:
+        old = self._members.get(svc_key, set())
+        if old == members:
+            return False
+        for k in old - members:
+            s = self._pod_svcs.get(k)
+            if s is not None:
+                s.discard(svc_key)
+                if not s:
+                    del self._pod_svcs[k]
+        for k in members - old:
+            self._pod_svcs.setdefault(k, set()).add(svc_key)
+        self._members[svc_key] = members
+        return True
+

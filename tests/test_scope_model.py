@@ -1,0 +1,413 @@
+"""The mesh model (agent/scope): catalogs, registry, route targets, dependency set, increments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agent.scope.deps import DependencySet, parse_dependencies
+from agent.scope.model import MeshModel
+from agent.scope.routes import route_from_object
+from agent.scope.services import service_from_object
+from agent.source.base import WatchEvent
+
+NODE = "node-a"
+
+
+def ns(name: str, managed: bool = True) -> dict[str, Any]:
+    labels = {"aether.io/managed": "true"} if managed else {}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+
+def pod(
+    name: str,
+    namespace: str = "apps",
+    *,
+    sa: str = "default",
+    ips: tuple[str, ...] = (),
+    node: str = "node-b",
+    ready: bool = True,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    ports: dict[str, int] | None = None,
+    terminating: bool = False,
+    uid: str = "",
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+        "labels": labels or {}, "annotations": annotations or {},
+    }
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "nodeName": node,
+            "serviceAccountName": sa,
+            "containers": [{
+                "name": "app",
+                "ports": [{"name": k, "containerPort": v} for k, v in (ports or {}).items()],
+            }],
+        },
+        "status": {
+            "phase": "Running",
+            "podIPs": [{"ip": ip} for ip in ips],
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def svc(
+    name: str,
+    namespace: str = "apps",
+    *,
+    selector: dict[str, str] | None = None,
+    ips: tuple[str, ...] = ("10.96.0.10",),
+    ports: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "clusterIP": ips[0] if ips else "None",
+        "clusterIPs": list(ips) if ips else ["None"],
+        "ports": ports if ports is not None else [{"name": "http", "port": 80, "targetPort": 8080}],
+    }
+    if selector is not None:
+        spec["selector"] = selector
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+
+
+def route(
+    name: str,
+    parent: str,
+    backends: list[str],
+    namespace: str = "apps",
+    kind: str = "HTTPRoute",
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": kind,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "parentRefs": [{"group": "", "kind": "Service", "name": parent, "port": 80}],
+            "rules": [{"backendRefs": [{"name": b, "port": 80} for b in backends]}],
+        },
+    }
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def add(m: MeshModel, *objs: dict[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for o in objs:
+        out |= m.apply(WatchEvent("ADDED", o["kind"], o))
+    return out
+
+
+def delete(m: MeshModel, o: dict[str, Any]) -> set[str]:
+    return m.apply(WatchEvent("DELETED", o["kind"], o))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def model(clock: Clock) -> MeshModel:
+    return MeshModel("aether.internal", "td.example", NODE, clock=clock)
+
+
+# ---- catalogs ---------------------------------------------------------------------------------
+
+
+def test_service_catalog_dual_stack_ports_and_names() -> None:
+    s = service_from_object(svc(
+        "echo", ips=("10.96.0.10", "fd00:0:0:0::a"),
+        ports=[
+            {"name": "http", "port": 80, "targetPort": "web", "appProtocol": "http"},
+            {"name": "grpc", "port": 9090, "protocol": "TCP"},
+        ],
+        selector={"app": "echo"},
+    ))
+    assert s.key == "apps/echo"
+    assert s.ipv4 == ("10.96.0.10",) and s.ipv6 == ("fd00::a",)
+    assert s.ports[0].target_port == "web" and s.ports[0].app_protocol == "http"
+    assert s.ports[1].target_port == 9090  # defaults to port
+    assert s.names("aether.internal") == (
+        "echo.apps.svc.cluster.local", "echo.apps.aether.internal")
+    headless = service_from_object(svc("h", ips=()))
+    assert headless.headless and headless.cluster_ips == ()
+
+
+def test_route_parsing_only_service_parents_and_all_backends() -> None:
+    obj = route("r", "echo", ["echo-v1", "echo-v2"])
+    obj["spec"]["parentRefs"].append({"name": "gw"})  # a Gateway parent: not ours
+    obj["spec"]["rules"][0]["filters"] = [
+        {"type": "RequestMirror", "requestMirror": {"backendRef": {"name": "shadow", "port": 80}}}
+    ]
+    r = route_from_object("HTTPRoute", obj)
+    assert [p.key for p in r.parents] == ["apps/echo"]
+    assert r.parents[0].port == 80
+    assert r.backend_keys == {"apps/echo-v1", "apps/echo-v2", "apps/shadow"}
+
+
+def test_dependency_annotation_parsing() -> None:
+    pats, problems = parse_dependencies("echo, other/db ,infra/*, a/b/c, /x", "apps")
+    assert {str(p) for p in pats} == {"apps/echo", "other/db", "infra/*"}
+    assert len(problems) == 2
+
+
+# ---- registry + resolution --------------------------------------------------------------------
+
+
+def test_versioned_backends_stay_distinct_with_shared_sa(model: MeshModel) -> None:
+    add(
+        model, ns("apps"),
+        svc("echo-v1", selector={"app": "echo", "version": "v1"}, ips=("10.96.0.11",)),
+        svc("echo-v2", selector={"app": "echo", "version": "v2"}, ips=("10.96.0.12",)),
+        pod("v1-a", ips=("10.0.1.1",), labels={"app": "echo", "version": "v1"}),
+        pod("v2-a", ips=("10.0.2.1",), labels={"app": "echo", "version": "v2"}),
+    )
+    v1, v2 = model.resolve("apps/echo-v1"), model.resolve("apps/echo-v2")
+    assert [e.ip for e in v1[80]] == ["10.0.1.1"]
+    assert [e.ip for e in v2[80]] == ["10.0.2.1"]
+    assert v1[80][0].sa_identity == v2[80][0].sa_identity == "apps/default"
+    assert v1[80][0].san == "spiffe://td.example/ns/apps/sa/default"
+    assert v1[80][0].port == 8080
+    assert {r.key for r in model.endpoints_for_identity("apps/default")} == {
+        "apps/v1-a", "apps/v2-a"}
+
+
+def test_named_target_ports_resolve_per_pod(model: MeshModel) -> None:
+    add(
+        model, ns("apps"),
+        svc("web", selector={"app": "web"}, ports=[{"name": "http", "port": 80,
+                                                     "targetPort": "http-web"}]),
+        pod("a", ips=("10.0.0.1",), labels={"app": "web"}, ports={"http-web": 8080}),
+        pod("b", ips=("10.0.0.2",), labels={"app": "web"}, ports={"http-web": 9090}),
+        pod("c", ips=("10.0.0.3",), labels={"app": "web"}, ports={"other": 1}),
+    )
+    eps = model.resolve("apps/web")[80]
+    assert sorted((e.ip, e.port) for e in eps) == [("10.0.0.1", 8080), ("10.0.0.2", 9090)]
+
+
+def test_dual_stack_pod_gives_an_endpoint_per_family(model: MeshModel) -> None:
+    add(model, ns("apps"), svc("s", selector={"app": "s"}, ips=("10.96.0.1", "fd00::1")),
+        pod("p", ips=("10.0.0.1", "fd00:10::1"), labels={"app": "s"}))
+    assert sorted(e.ip for e in model.resolve("apps/s")[80]) == ["10.0.0.1", "fd00:10::1"]
+    assert model.lookup_cluster_ip("fd00:0::1", 80) == "apps/s"
+    assert model.lookup_cluster_ip("10.96.0.1", 81) is None
+
+
+def test_managedness_health_and_drain(model: MeshModel) -> None:
+    add(
+        model, ns("plain", managed=False), ns("apps"),
+        svc("s", selector={"app": "s"}),
+        svc("s", "plain", selector={"app": "s"}, ips=("10.96.1.1",)),
+        pod("unmanaged", "plain", ips=("10.0.9.1",), labels={"app": "s"}),
+        pod("optin", "plain", ips=("10.0.9.2",),
+            labels={"app": "s", "aether.io/managed": "true"}),
+        pod("ready", ips=("10.0.0.1",), labels={"app": "s"}),
+        pod("notready", ips=("10.0.0.2",), labels={"app": "s"}, ready=False),
+        pod("leaving", ips=("10.0.0.3",), labels={"app": "s"}, terminating=True),
+        pod("sys", "kube-system", ips=("10.0.0.4",), labels={"aether.io/managed": "true"}),
+    )
+    assert [e.ip for e in model.resolve("plain/s")[80]] == ["10.0.9.2"]
+    eps = {e.ip: e for e in model.resolve("apps/s")[80]}
+    assert eps["10.0.0.1"].ready and not eps["10.0.0.1"].draining
+    assert not eps["10.0.0.2"].ready
+    assert eps["10.0.0.3"].draining
+    assert model.registry.get("kube-system/sys") is None
+    # the namespace label flips: every pod there is re-evaluated
+    affected = add(model, ns("plain", managed=True))
+    assert affected == {"plain/s"}
+    assert len(model.resolve("plain/s")[80]) == 2
+
+
+def test_local_pod_registered_by_cni_before_api_ip(model: MeshModel) -> None:
+    add(model, ns("apps"), svc("s", selector={"app": "s"}))
+    affected = model.register_local("u1", "apps", "p", "api", ["10.0.0.7"],
+                                    labels={"app": "s"})
+    assert affected == {"apps/s"}
+    [ep] = model.resolve("apps/s")[80]
+    assert ep.ip == "10.0.0.7" and ep.local and ep.sa_identity == "apps/api"
+    # the API catches up without an IP yet: CNI IP kept, API fields win
+    add(model, pod("p", sa="api", node=NODE, uid="u1", labels={"app": "s"}, ips=()))
+    [ep] = model.resolve("apps/s")[80]
+    assert ep.ip == "10.0.0.7" and ep.ready
+    model.unregister_local("apps", "p")
+    delete(model, pod("p", node=NODE))
+    assert model.resolve("apps/s")[80] == []
+
+
+def test_selectorless_service_uses_endpointslices(model: MeshModel) -> None:
+    add(model, ns("apps"), svc("ext", selector=None, ports=[{"name": "http", "port": 80}]),
+        pod("p1", ips=("10.0.0.1",)), pod("p2", ips=("10.0.0.2",)))
+    assert model.resolve("apps/ext")[80] == []
+    slice_obj = {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "ext-abc", "namespace": "apps",
+                     "labels": {"kubernetes.io/service-name": "ext"}},
+        "ports": [{"name": "http", "port": 7000}],
+        "endpoints": [
+            {"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "p1"}},
+            {"addresses": ["10.0.0.2"]},
+            {"addresses": ["192.168.1.1"]},  # not a managed pod: not a mesh endpoint
+        ],
+    }
+    assert add(model, slice_obj) == {"apps/ext"}
+    assert sorted((e.ip, e.port) for e in model.resolve("apps/ext")[80]) == [
+        ("10.0.0.1", 7000), ("10.0.0.2", 7000)]
+    assert delete(model, slice_obj) == {"apps/ext"}
+    assert model.resolve("apps/ext")[80] == []
+
+
+# ---- incremental updates ----------------------------------------------------------------------
+
+
+def test_one_pod_change_touches_only_its_services(model: MeshModel) -> None:
+    add(model, ns("apps"),
+        svc("a", selector={"app": "a"}, ips=("10.96.0.1",)),
+        svc("b", selector={"app": "b"}, ips=("10.96.0.2",)),
+        pod("pa", ips=("10.0.0.1",), labels={"app": "a"}),
+        pod("pb", ips=("10.0.0.2",), labels={"app": "b"}))
+    assert add(model, pod("pa", ips=("10.0.0.1",), labels={"app": "a"}, ready=False)) == {"apps/a"}
+    # relabel moves the pod: both old and new Service are affected
+    assert add(model, pod("pa", ips=("10.0.0.1",), labels={"app": "b"})) == {"apps/a", "apps/b"}
+    # an identical re-apply changes nothing
+    assert add(model, pod("pa", ips=("10.0.0.1",), labels={"app": "b"})) == set()
+    assert add(model, svc("a", selector={"app": "a"}, ips=("10.96.0.9",))) == {"apps/a"}
+    assert model.lookup_cluster_ip("10.96.0.9", 80) is None  # no endpoints: not in mesh
+
+
+# ---- route targets + dependency set -----------------------------------------------------------
+
+
+def _gamma(model: MeshModel) -> None:
+    add(
+        model, ns("apps"),
+        svc("echo", selector={"app": "echo"}, ips=("10.96.0.10",)),
+        svc("echo-v1", selector={"app": "echo", "version": "v1"}, ips=("10.96.0.11",)),
+        svc("echo-v2", selector={"app": "echo", "version": "v2"}, ips=("10.96.0.12",)),
+        svc("db", selector={"app": "db"}, ips=("10.96.0.20",)),
+        pod("v1", ips=("10.0.1.1",), labels={"app": "echo", "version": "v1"}),
+        pod("v2", ips=("10.0.2.1",), labels={"app": "echo", "version": "v2"}),
+        pod("db", ips=("10.0.3.1",), labels={"app": "db"}),
+    )
+
+
+def test_route_target_needs_no_pods_and_closure_pulls_backends(model: MeshModel) -> None:
+    _gamma(model)
+    add(model, svc("front", selector=None, ips=("10.96.0.30",)))
+    add(model, route("split", "front", ["echo-v1", "echo-v2"]))
+    client = pod("client", node=NODE, ips=("10.0.9.9",),
+                 annotations={"aether.io/dependencies": "front"})
+    affected = add(model, client)
+    assert affected == {"apps/front", "apps/echo-v1", "apps/echo-v2"}
+    views = {v.key: v for v in model.in_scope_services()}
+    assert set(views) == {"apps/front", "apps/echo-v1", "apps/echo-v2"}
+    front = views["apps/front"]
+    assert front.is_route_target and front.cluster_ips == ("10.96.0.30",)
+    assert front.backends == {"apps/echo-v1", "apps/echo-v2"}
+    assert views["apps/echo-v1"].endpoints[80][0].san == "spiffe://td.example/ns/apps/sa/default"
+    why = model.explain()
+    assert why["apps/front"] == ["declared by apps/client"]
+    assert why["apps/echo-v1"] == ["backend of route target apps/front"]
+    # transitive: a backend that is itself a route target pulls its own backends
+    add(model, route("v1-to-db", "echo-v1", ["db"]))
+    assert "apps/db" in model.in_scope_keys()
+    assert "backend of route target apps/echo-v1" in model.explain()["apps/db"]
+    # the route goes away: only the declared target is left (no pods: no longer served)
+    delete(model, route("split", "front", []))
+    assert model.in_scope_keys() == set()
+
+
+def test_plain_service_gets_identity_route(model: MeshModel) -> None:
+    _gamma(model)
+    add(model, pod("client", node=NODE, annotations={"aether.io/dependencies": "db, other/*"}))
+    [view] = model.in_scope_services()
+    assert view.key == "apps/db" and not view.is_route_target
+    assert [e.ip for e in view.endpoints[80]] == ["10.0.3.1"]
+
+
+def test_declared_wildcard_and_cross_namespace(model: MeshModel) -> None:
+    _gamma(model)
+    add(model, ns("infra"), svc("cache", "infra", selector={"app": "c"}, ips=("10.96.5.1",)),
+        pod("c1", "infra", ips=("10.0.5.1",), labels={"app": "c"}))
+    add(model, pod("client", node=NODE, annotations={"aether.io/dependencies": "infra/*"}))
+    assert model.in_scope_keys() == {"infra/cache"}
+    # a new Service in the namespace joins through the wildcard
+    add(model, svc("queue", "infra", selector={"app": "c"}, ips=("10.96.5.2",)))
+    assert model.in_scope_keys() == {"infra/cache", "infra/queue"}
+    # remote pods' declarations do not count; removing the local pod empties the set
+    add(model, pod("remote", node="node-z", annotations={"aether.io/dependencies": "db"}))
+    assert "apps/db" not in model.in_scope_keys()
+    delete(model, pod("client", node=NODE))
+    assert model.in_scope_keys() == set()
+
+
+def test_learned_dependency_with_ttl(model: MeshModel, clock: Clock) -> None:
+    _gamma(model)
+    add(model, pod("client", node=NODE))
+    assert model.learn("10.96.0.99", 80) == set()  # not a Service: passthrough only
+    assert model.learn("10.96.0.20", 80) == {"apps/db"}
+    assert model.in_scope_keys() == {"apps/db"}
+    assert model.explain()["apps/db"] == ["learned from traffic, expires in 600s"]
+    clock.t += 500
+    assert model.learn("10.96.0.20", 80) == set()  # refresh, no change
+    clock.t += 500
+    assert model.expire() == set()  # refreshed at 500: still 100s left
+    clock.t += 101
+    assert model.expire() == {"apps/db"}
+    assert model.in_scope_keys() == set()
+
+
+def test_scope_all_serves_every_in_mesh_service(clock: Clock) -> None:
+    m = MeshModel("aether.internal", "td", NODE, scope_all=True, clock=clock)
+    _gamma(m)
+    add(m, svc("nomesh", selector={"app": "none"}, ips=("10.96.0.77",)))
+    assert m.in_scope_keys() == {"apps/echo", "apps/echo-v1", "apps/echo-v2", "apps/db"}
+
+
+def test_dependency_set_unit(clock: Clock) -> None:
+    d = DependencySet(ttl=10, clock=clock)
+    assert d.set_declared("a/p", "x, b/y", "a")
+    assert not d.set_declared("a/p", "b/y,x", "a")
+    d.learn("c/z")
+    backends = {"a/x": {"a/w"}, "a/w": {"a/x"}}  # a cycle terminates
+    got = d.compute(lambda n: [], lambda k: backends.get(k, set()))
+    assert got == {"a/x", "b/y", "c/z", "a/w"}
+    assert d.next_expiry() == 10
+    clock.t += 10
+    assert d.expire() == {"c/z"}
+    assert d.remove_pod("a/p")
+    assert d.compute(lambda n: [], lambda k: set()) == set()
+
+
+def test_event_model_same_from_manifests_and_api(model: MeshModel, tmp_path: Any) -> None:
+    """The manifest loader's objects drive the model exactly like API events."""
+    import yaml
+
+    from agent.source.events import ObjectStore
+    from agent.source.watch import ManifestWatcher
+
+    docs = [ns("apps"), svc("db", selector={"app": "db"}),
+            pod("db", ips=("10.0.3.1",), labels={"app": "db"}),
+            pod("client", node=NODE, annotations={"aether.io/dependencies": "db"})]
+    (tmp_path / "all.yaml").write_text(yaml.safe_dump_all(docs))
+    store = ObjectStore()
+    store.on_event(model.apply)
+    ManifestWatcher(str(tmp_path), store).poll_once()
+    assert model.in_scope_keys() == {"apps/db"}
+    other = MeshModel("aether.internal", "td.example", NODE)
+    add(other, *docs)
+    assert other.in_scope_services() == model.in_scope_services()

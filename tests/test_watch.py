@@ -1,0 +1,232 @@
+"""The event sources: ObjectStore/diff, the Kubernetes watcher against the fake API server
+(cut streams, 410 Gone, API server restart) and the manifest directory watcher."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.source.base import WatchEvent
+from agent.source.events import ObjectStore, diff_snapshots
+from agent.source.watch import MESH_KINDS, KubeWatcher, ManifestWatcher
+from agent.testing import FakeApiServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pod(name: str, ns: str = "default", **labels: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": labels},
+            "spec": {"nodeName": "node-a", "containers": [{"name": "c"}]}}
+
+
+def svc(name: str, ns: str = "default") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+            "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}}
+
+
+def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def names(store: ObjectStore, kind: str) -> dict[str, dict[str, str]]:
+    """name → labels: what convergence is checked on."""
+    return {o["metadata"]["name"]: o["metadata"].get("labels") or {} for o in store.of_kind(kind)}
+
+
+def truth(server: FakeApiServer, kind: str, objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {n: o["metadata"].get("labels") or {} for n, o in objs.items()}
+
+
+# ---- store + diff -----------------------------------------------------------------------------
+
+
+def test_diff_snapshots_and_replace_kind_converge() -> None:
+    a, b = pod("a"), pod("b")
+    b2 = pod("b", v="2")
+    old = {("Pod", "default", "a"): a, ("Pod", "default", "b"): b}
+    new = {("Pod", "default", "b"): b2, ("Pod", "default", "c"): pod("c")}
+    evs = diff_snapshots(old, new)
+    assert [(e.type, e.obj["metadata"]["name"]) for e in evs] == [
+        ("MODIFIED", "b"), ("ADDED", "c"), ("DELETED", "a")]
+
+    store = ObjectStore()
+    seen: list[tuple[str, str]] = []
+    for o in (a, b):
+        store.apply(WatchEvent("ADDED", "Pod", o))
+    store.on_event(lambda e: seen.append((e.type, e.obj["metadata"]["name"])), replay=True)
+    assert seen == [("ADDED", "a"), ("ADDED", "b")]
+    seen.clear()
+    store.replace_kind("Pod", [b2, pod("c")])
+    assert sorted(seen) == [("ADDED", "c"), ("DELETED", "a"), ("MODIFIED", "b")]
+    seen.clear()
+    assert store.apply(WatchEvent("ADDED", "Pod", b2)) is None  # no phantom change
+    assert store.apply(WatchEvent("DELETED", "Pod", pod("zz"))) is None
+    assert seen == []
+
+
+# ---- Kubernetes watcher -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    srv = FakeApiServer(bookmark_interval=0.2).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def watcher(server: FakeApiServer, tmp_path: Path) -> Iterator[tuple[KubeWatcher, ObjectStore]]:
+    store = ObjectStore()
+    w = KubeWatcher(
+        server.kubeconfig(tmp_path / "kubeconfig"), MESH_KINDS, "node-a", store,
+        threading.Event(), backoff_base=0.05, backoff_cap=0.3, request_timeout=2.0,
+    )
+    yield w, store
+    w.stop()
+
+
+def test_list_then_watch_all_kinds(
+    server: FakeApiServer, watcher: tuple[KubeWatcher, ObjectStore]
+) -> None:
+    w, store = watcher
+    server.put_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "apps"}})
+    server.put_object(pod("p1", "apps"))
+    server.put_object({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": "r", "namespace": "apps"}, "spec": {}})
+    w.start()
+    assert w.wait_synced(10)
+    assert store.get("Namespace", "", "apps") is not None
+    assert store.get("Pod", "apps", "p1")["kind"] == "Pod"  # type: ignore[index]
+    assert store.get("HTTPRoute", "apps", "r") is not None
+    server.put_object(svc("s1", "apps"))
+    server.delete_object("Pod", "p1", "apps")
+    eventually(lambda: store.get("Service", "apps", "s1") is not None
+               and store.get("Pod", "apps", "p1") is None)
+    # bookmarks advance the resourceVersion of quiet kinds
+    rv = int(server.resource_version)
+    eventually(lambda: int(w.status["GRPCRoute"].resource_version or 0) >= rv)
+
+
+def test_watch_cut_mid_stream_resumes_without_loss(
+    server: FakeApiServer, watcher: tuple[KubeWatcher, ObjectStore]
+) -> None:
+    w, store = watcher
+    objs = {f"p{i}": pod(f"p{i}", i=str(i)) for i in range(3)}
+    for o in objs.values():
+        server.put_object(o)
+    w.start()
+    assert w.wait_synced(10)
+    for abrupt in (True, False):
+        eventually(lambda: server.watch_count >= len(MESH_KINDS))
+        server.drop_watches(abrupt=abrupt)
+        objs["p1"] = pod("p1", i="changed", abrupt=str(abrupt).lower())
+        server.put_object(objs["p1"])
+        server.delete_object("Pod", "p2")
+        objs.pop("p2", None)
+        objs["p9"] = pod("p9")
+        server.put_object(objs["p9"])
+        eventually(lambda: names(store, "Pod") == truth(server, "Pod", objs))
+        server.put_object(pod("p2"))
+        objs["p2"] = pod("p2")
+        eventually(lambda: names(store, "Pod") == truth(server, "Pod", objs))
+    assert w.status["Pod"].relists_410 == 0  # resumed from the last resourceVersion
+
+
+def test_410_gone_relists_and_converges(
+    server: FakeApiServer, watcher: tuple[KubeWatcher, ObjectStore]
+) -> None:
+    w, store = watcher
+    objs = {f"p{i}": pod(f"p{i}") for i in range(3)}
+    for o in objs.values():
+        server.put_object(o)
+    w.start()
+    assert w.wait_synced(10)
+    eventually(lambda: server.watch_count >= len(MESH_KINDS))
+    # changes the watcher never sees as events: watches cut, history compacted
+    server.drop_watches(abrupt=True)
+    server.delete_object("Pod", "p0")
+    objs.pop("p0")
+    objs["p1"] = pod("p1", moved="yes")
+    server.put_object(objs["p1"])
+    server.compact()
+    objs["p5"] = pod("p5")
+    server.put_object(objs["p5"])
+    server.compact()
+    eventually(lambda: names(store, "Pod") == truth(server, "Pod", objs))
+    assert w.status["Pod"].relists_410 >= 1
+
+
+def test_api_server_restart_converges(
+    server: FakeApiServer, watcher: tuple[KubeWatcher, ObjectStore]
+) -> None:
+    w, store = watcher
+    objs = {f"p{i}": pod(f"p{i}") for i in range(3)}
+    for o in objs.values():
+        server.put_object(o)
+    w.start()
+    assert w.wait_synced(10)
+    eventually(lambda: server.watch_count >= len(MESH_KINDS))
+    server.stop()
+    time.sleep(0.5)  # the watcher sees connection refused and backs off
+    server.delete_object("Pod", "p1")  # changed while down, history lost (as after etcd restore)
+    objs.pop("p1")
+    objs["p7"] = pod("p7")
+    server.put_object(objs["p7"])
+    server.compact()
+    server.start()  # same port: the kubeconfig stays valid
+    eventually(lambda: names(store, "Pod") == truth(server, "Pod", objs))
+    assert w.status["Pod"].errors >= 1
+    # and it keeps watching after the restart
+    eventually(lambda: server.watch_count >= len(MESH_KINDS))
+    server.put_object(pod("p8"))
+    eventually(lambda: store.get("Pod", "default", "p8") is not None)
+
+
+def test_errors_back_off_and_recover(
+    server: FakeApiServer, watcher: tuple[KubeWatcher, ObjectStore]
+) -> None:
+    w, store = watcher
+    server.fail_next(8, 500)
+    server.put_object(pod("p0"))
+    w.start()
+    assert w.wait_synced(15)
+    assert store.get("Pod", "default", "p0") is not None
+    assert sum(s.errors for s in w.status.values()) >= 1
+
+
+# ---- manifest watcher -------------------------------------------------------------------------
+
+
+def test_manifest_watcher_emits_diffs_on_change(tmp_path: Path) -> None:
+    store = ObjectStore()
+    seen: list[tuple[str, str, str]] = []
+    store.on_event(lambda e: seen.append((e.type, e.kind, e.obj["metadata"]["name"])))
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump_all([pod("p1"), svc("s1")]))
+    (tmp_path / "cm.yaml").write_text(yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ignored"}}))
+    stop = threading.Event()
+    w = ManifestWatcher(str(tmp_path), store, stop, interval=0.05).start()
+    try:
+        assert w.wait_synced(5)
+        assert sorted(seen) == [("ADDED", "Pod", "p1"), ("ADDED", "Service", "s1")]
+        seen.clear()
+        time.sleep(0.02)
+        (tmp_path / "a.yaml").write_text(yaml.safe_dump_all([pod("p1", v="2"), pod("p2")]))
+        eventually(lambda: len(seen) == 3)
+        assert sorted(seen) == [
+            ("ADDED", "Pod", "p2"), ("DELETED", "Service", "s1"), ("MODIFIED", "Pod", "p1")]
+    finally:
+        w.stop()
