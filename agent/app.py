@@ -16,8 +16,8 @@ from typing import Any
 
 from agent import __version__
 from agent.capture.rules import render_ruleset
-from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni import request as cni_request
+from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni.server import UnixJsonServer, json_handler
 from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
@@ -107,8 +107,12 @@ class Agent:
             from agent.source.watch import ManifestWatcher
             watcher = ManifestWatcher(o.manifests, self.mesh.objects)
         elif o.kube:
+            from agent.source.cached import CachedSource
             from agent.source.watch import MESH_KINDS, KubeWatcher
             watcher = KubeWatcher(o.kubeconfig, MESH_KINDS, self.node.node_name, self.mesh.objects)
+            # ADD answers from the watch cache, so API trouble does not stall pod starts
+            self.source = CachedSource(self.source, self.mesh.objects)
+            self.handler.source = self.source
         for pod in self.store.all():
             self.mesh.model.register_local(pod.uid, pod.namespace, pod.name, pod.service_account,
                                            pod.ips, ready=True)

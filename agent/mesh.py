@@ -132,11 +132,21 @@ class MeshRuntime:
                 time.sleep(0.5)
                 self._dirty.set()
 
+    def _counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for kind, _ns, _name in self.objects.snapshot():
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def has_object(self, kind: str, namespace: str, name: str) -> bool:
+        return self.objects.get(kind, namespace, name) is not None
+
     def status(self) -> dict[str, Any]:
         scope = self.model.explain()
         return {
             "source": self.watcher.describe() if self.watcher else None,
             "objects": len(self.objects),
+            "objects_by_kind": self._counts(),
             "dependency_set_size": len(self.model.in_scope_keys()),
             "dependency_set": scope,
             "pushes": self.pushes,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -63,7 +66,7 @@ class AgentProc:
             "spec": {"nodeName": "test-node", "serviceAccountName": "default"},
         }])
 
-    def start(self) -> AgentProc:
+    def start(self, env: dict[str, str] | None = None) -> AgentProc:
         cmd = [sys.executable, "-m", "agent.cli", "run", "--manifests", self.manifests,
                "--node-name", "test-node", "--run-dir", self.run_dir, "--log-format", "json",
                "--log-level", "debug"]
@@ -71,7 +74,7 @@ class AgentProc:
             cmd.append("--no-envoy")
         cmd += self.extra
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if os.path.exists(os.path.join(self.run_dir, "status.sock")):
@@ -180,3 +183,60 @@ def node(workdir: str, bridge_name: str) -> Iterator[Node]:
     yield n
     n.cleanup()
     n.agent.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EnvoyNode(Node):
+    def __init__(self, workdir: str, bridge: str, extra: list[str] | None = None) -> None:
+        self.admin_port = free_port()
+        super().__init__(workdir, bridge, envoy=True,
+                         agent_extra=["--envoy-admin-port", str(self.admin_port),
+                                      "--listener-timeout", "15", *(extra or [])])
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
+            return str(r.read().decode())
+
+    def stat(self, name: str) -> int:
+        for line in self.admin(f"/stats?filter=^{re.escape(name)}$").splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return int(value)
+        return 0
+
+    def listeners(self) -> list[str]:
+        return [ln.split("::")[0] for ln in self.admin("/listeners").splitlines() if ln]
+
+    def envoy_pid(self) -> int:
+        pid = self.agent.status()["envoy"]["pid"]
+        assert pid
+        return int(pid)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.admin("/ready").strip() == "LIVE":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("envoy not ready")
+
+
+@pytest.fixture
+def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    n = EnvoyNode(workdir, bridge_name)
+    n.agent.start()
+    n.wait_ready()
+    yield n
+    n.cleanup()
+    n.agent.stop()
+    assert "Traceback" not in n.agent.logs()
+
+

@@ -12,6 +12,7 @@ import socketserver
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +54,10 @@ class PodNet:
 
 
 @contextlib.contextmanager
-def pod_netns(port: int) -> Iterator[PodNet]:
+def pod_netns(port: int, extra_ports: tuple[int, ...] = (), default_route: bool = False
+              ) -> Iterator[PodNet]:
+    """``extra_ports`` are redirected too; ``default_route`` sends everything (e.g. to
+    ClusterIPs nothing routes) via the host side, as a pod's default route would."""
     tag = f"{os.getpid() % 10000}{random.randint(100, 999)}"
     ns, hv, pv = f"aet{tag}", f"aeh{tag}", f"aep{tag}"
     a, b = random.randint(0, 255), random.randint(1, 254)
@@ -69,14 +73,17 @@ def pod_netns(port: int) -> Iterator[PodNet]:
         x = f"ip netns exec {ns}"
         sh(f"{x} ip link set lo up; {x} ip addr add {p4}/24 dev {pv}; "
            f"{x} ip -6 addr add {p6}/64 dev {pv} nodad; {x} ip link set {pv} up")
+        if default_route:
+            sh(f"{x} ip route add default via {h4}; {x} ip -6 route add default via {h6}")
         mark = PASSTHROUGH_MARK
+        dports = "{ " + ", ".join(str(p) for p in sorted({port, *extra_ports})) + " }"
         sh(f"{x} nft -f -", stdin=f"""
 table inet aether_test {{
   chain out {{
     type nat hook output priority -100;
     meta mark & 0xff == {mark:#x} return
-    ip daddr != 127.0.0.0/8 tcp dport {port} redirect to :{CAPTURE_PORT}
-    ip6 daddr != ::1 tcp dport {port} redirect to :{CAPTURE_PORT}
+    ip daddr != 127.0.0.0/8 tcp dport {dports} redirect to :{CAPTURE_PORT}
+    ip6 daddr != ::1 tcp dport {dports} redirect to :{CAPTURE_PORT}
   }}
 }}
 """)
@@ -102,7 +109,7 @@ class _Handler(socketserver.BaseRequestHandler):
         assert isinstance(srv, HostServer)
         with srv.lock:
             srv.accepted += 1
-        self.request.sendall(b"hello-from-host\n")
+        self.request.sendall(srv.reply + b"\n")
 
 
 class HostServer(socketserver.ThreadingTCPServer):
@@ -112,9 +119,10 @@ class HostServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, reply: str = "hello-from-host") -> None:
         self.lock = threading.Lock()
         self.accepted = 0
+        self.reply = reply.encode()
         super().__init__(("::", port), _Handler, bind_and_activate=False)
         self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         self.server_bind()
@@ -145,7 +153,7 @@ class EnvoyStack:
             return str(r.read().decode())
 
     def stat(self, name: str) -> int:
-        text = self.admin_get(f"/stats?filter=^{re.escape(name)}$")
+        text = self.admin_get("/stats?filter=" + urllib.parse.quote(f"^{re.escape(name)}$"))
         m = re.search(rf"^{re.escape(name)}: (\d+)", text, re.M)
         return int(m.group(1)) if m else 0
 
@@ -154,10 +162,12 @@ class EnvoyStack:
 
 
 @contextlib.contextmanager
-def envoy_stack(tmp: Path, delta: bool = True) -> Iterator[EnvoyStack]:
+def envoy_stack(tmp: Path, delta: bool = True,
+                on_access: Callable[[str, str, int], None] | None = None
+                ) -> Iterator[EnvoyStack]:
     port = free_port()
     sock = str(tmp / "xds.sock")
-    xds = XdsServer(sock)
+    xds = XdsServer(sock, on_access=on_access)
     xds.start()
     boot = tmp / "envoy.json"
     write_bootstrap(str(boot), build_bootstrap("test-node", sock, port, delta=delta))

@@ -5,14 +5,11 @@ from __future__ import annotations
 import http.client
 import http.server
 import os
-import re
 import signal
 import socket
 import subprocess
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -20,62 +17,7 @@ import pytest
 from agent.netns import nft
 from agent.netns.enter import run_in_netns
 from agent.testing.netutil import dial, host_server
-from integration.conftest import GW4, GW6, Node
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class EnvoyNode(Node):
-    def __init__(self, workdir: str, bridge: str) -> None:
-        self.admin_port = free_port()
-        super().__init__(workdir, bridge, envoy=True,
-                         agent_extra=["--envoy-admin-port", str(self.admin_port),
-                                      "--listener-timeout", "15"])
-
-    def admin(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
-            return str(r.read().decode())
-
-    def stat(self, name: str) -> int:
-        for line in self.admin(f"/stats?filter=^{re.escape(name)}$").splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return int(value)
-        return 0
-
-    def listeners(self) -> list[str]:
-        return [ln.split("::")[0] for ln in self.admin("/listeners").splitlines() if ln]
-
-    def envoy_pid(self) -> int:
-        pid = self.agent.status()["envoy"]["pid"]
-        assert pid
-        return int(pid)
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.admin("/ready").strip() == "LIVE":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("envoy not ready")
-
-
-@pytest.fixture
-def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
-    n = EnvoyNode(workdir, bridge_name)
-    n.agent.start()
-    n.wait_ready()
-    yield n
-    n.cleanup()
-    n.agent.stop()
-    assert "Traceback" not in n.agent.logs()
+from integration.conftest import GW4, GW6, EnvoyNode
 
 
 class _Hello(http.server.BaseHTTPRequestHandler):

@@ -40,7 +40,8 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
     tcp = tcp_proxy_pb2.TcpProxy()
     assert flt.typed_config.Unpack(tcp)
     assert (tcp.stat_prefix, tcp.cluster) == ("passthrough", "passthrough")
-    assert len(tcp.access_log) == 1
+    assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.stdout",
+                                                "envoy.access_loggers.tcp_grpc"]
 
 
 @pytest.mark.parametrize(("v4", "v6", "want"), [(True, False, ["127.0.0.1"]),

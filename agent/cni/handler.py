@@ -246,6 +246,7 @@ class CniHandler:
                 f"programming capture rules in {netns} for {pod.key} failed; pod not started",
                 str(e),
             ) from e
+        _fault("crash-after-rules")
         record = CapturedPod(
             container_id=cid,
             uid=pod.uid,
@@ -265,6 +266,7 @@ class CniHandler:
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         self.store.put(record)
+        _fault("crash-before-listener")
         try:
             self.sink.add_pod(record)
         except Exception as e:
@@ -354,6 +356,13 @@ class CniHandler:
                 "the aether table was modified outside the agent",
             )
         self.counters.check_ok += 1
+
+
+def _fault(point: str) -> None:
+    """Fault injection for the crash-consistency tests (AETHER_FAULT=<point>): die here."""
+    if os.environ.get("AETHER_FAULT") == point:
+        log.error("fault injection: exiting at %s", point)
+        os._exit(70)
 
 
 def _cid(request: Any) -> str:

@@ -43,7 +43,7 @@ def _js(s: str) -> str:
         if ch == '"' or ch == "\\":
             out.append("\\" + ch)
         elif o < 0x20 or o > 0x7E:
-            out.append("\\u%04x" % o if o < 0x10000 else ch)
+            out.append(f"\\u{o:04x}" if o < 0x10000 else ch)
         else:
             out.append(ch)
     out.append('"')
@@ -137,16 +137,16 @@ def run(env: Mapping[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> i
     except (OSError, ValueError) as e:
         if command == "DEL":
             # Nothing we can clean without the agent; it reconciles dead pods when it returns.
-            stderr.write("aether-cni: agent not reachable at %s on DEL (%s); the agent cleans "
-                         "up on restart\n" % (sock, e))
+            stderr.write(f"aether-cni: agent not reachable at {sock} on DEL ({e}); the agent "
+                         "cleans up on restart\n")
             return 0
         import json
         version = _netconf_value(stdin, "cniVersion", "1.0.0")
         stdout.write(json.dumps({
             "cniVersion": str(version),
             "code": ERR_AGENT_UNREACHABLE,
-            "msg": "aether agent is not reachable at %s: the pod cannot be captured" % sock,
-            "details": "%s: %s" % (type(e).__name__, e),
+            "msg": f"aether agent is not reachable at {sock}: the pod cannot be captured",
+            "details": f"{type(e).__name__}: {e}",
         }))
         return 1
     stdout.write(out)

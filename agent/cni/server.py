@@ -54,6 +54,8 @@ class _Conn(socketserver.BaseRequestHandler):
         sock.settimeout(10.0)
         try:
             raw = p.recv_all(sock)
+            if not raw:
+                return  # a liveness probe: connect and close
             answer = self.server.handle_request_fn(raw)
         except p.ProtocolError as e:
             log.warning("rejected a request on %s: %s", self.server.server_address, e)

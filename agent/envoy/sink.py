@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -35,7 +36,10 @@ def listener_name(pod: CapturedPod) -> str:
 
 class EnvoySink:
     def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int = 15000,
-                 ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 2) -> None:
+                 ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 2,
+                 hang_timeout: float = 15.0) -> None:
+        self.hang_timeout = hang_timeout
+        self.hang_kills = 0
         self.node = node
         self.ack_timeout = ack_timeout
         self.dir = os.path.join(node.run_dir, "envoy")
@@ -80,6 +84,36 @@ class EnvoySink:
             self._adopt_watch.start()
         else:
             self._spawn()
+        threading.Thread(target=self._watchdog, name="envoy-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """A hung Envoy (SIGSTOP, deadlock) keeps its sockets open: the kernel still accepts
+        into the backlog, so nothing crashes and nothing restarts it. Kill it when its admin
+        stops answering for hang_timeout; the supervisor then restarts it with backoff."""
+        from agent.envoy.supervisor import admin_request
+
+        last_pid: int | None = None
+        last_answer = time.monotonic()
+        while not self._stopping.wait(1.0):
+            pid = self.pid
+            if pid != last_pid:
+                last_pid, last_answer = pid, time.monotonic()
+            if pid is None:
+                continue
+            try:
+                admin_request(self.admin, "GET", "/ready", timeout=1.0)
+                last_answer = time.monotonic()
+            except OSError:
+                silent = time.monotonic() - last_answer
+                if silent >= self.hang_timeout:
+                    log.error("envoy pid=%d has not answered its admin for %.0fs (hung); killing "
+                              "it so the supervisor restarts it", pid, silent)
+                    self.hang_kills += 1
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    last_answer = time.monotonic()
 
     def _spawn(self) -> None:
         self.supervisor.start()
@@ -208,5 +242,6 @@ class EnvoySink:
             "xds_streams": x.get("connected_streams"),
             "nack_count": x.get("nack_count"),
             "last_nack": x.get("last_nack"),
+            "hang_kills": self.hang_kills,
             "degraded": bool(sup.get("degraded")) or not ready,
         }

@@ -1,11 +1,16 @@
 """Minimal ADS server (SotW and delta) for the node-shared Envoy, over a unix socket.
 
-Only LDS and CDS are served, both as wildcard subscriptions. Versions are a global
-monotonically increasing integer; each type remembers the version at which it last
-changed so ``wait_acked`` knows what Envoy must have ACKed. ACK/NACK is matched by
-nonce, never by ``version_info`` alone, and stale nonces are ignored, as the xDS
-protocol requires. A NACK is logged and kept for status; the rejected config is not
-pushed again (Envoy keeps serving its last good config).
+LDS and CDS are wildcard subscriptions; EDS is subscribed by resource name (Envoy asks for
+the ClusterLoadAssignment of each EDS cluster it holds), and only subscribed names are
+sent. Versions are a global monotonically increasing integer; each type remembers the
+version at which it last changed so ``wait_acked`` knows what Envoy must have ACKed. A
+stream whose subscribed names are untouched by a change counts as in sync at the new
+version without a push. ACK/NACK is matched by nonce, never by ``version_info`` alone,
+and stale nonces are ignored, as the xDS protocol requires. A NACK is logged and kept for
+status; the rejected config is not pushed again (Envoy keeps serving its last good config).
+
+The same gRPC server hosts the access log service (``agent.envoy.als``) that the
+passthrough chains stream to, so traffic learning needs no second socket.
 """
 
 from __future__ import annotations
@@ -28,16 +33,20 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
+from agent.envoy.als import AccessCallback, AccessLogServicer, add_access_log_servicer
 from agent.envoy.resources import (
     CLUSTER_TYPE,
+    ENDPOINT_TYPE,
     LISTENER_TYPE,
     NodeXdsState,
-    build_resources,
+    ResourceBuilder,
     resource_hash,
 )
 
-# Clusters must reach Envoy before the listeners that reference them.
-TYPE_ORDER = (CLUSTER_TYPE, LISTENER_TYPE)
+# xDS ordering: clusters, then their endpoints, then the listeners that reference them.
+TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
+# Types Envoy subscribes to by resource name (never wildcard).
+NAMED_TYPES = frozenset({ENDPOINT_TYPE})
 
 Resources = dict[str, dict[str, Message]]
 
@@ -59,10 +68,12 @@ class _Stream:
     out: queue.Queue[Any] = field(default_factory=queue.Queue)
     node_id: str = ""
     subscribed: set[str] = field(default_factory=set)
+    # type -> subscribed resource names; absent means wildcard.
+    names: dict[str, set[str]] = field(default_factory=dict)
     # nonce -> (type_url, version) for responses still awaiting ACK/NACK.
     last_nonce: dict[str, str] = field(default_factory=dict)
     nonce_version: dict[str, int] = field(default_factory=dict)
-    # delta only: what the client holds, name -> version hash, per type.
+    # what the client holds (delta) or was last sent (SotW): name -> version hash, per type.
     have: dict[str, dict[str, str]] = field(default_factory=dict)
     acked: dict[str, int] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.time)
@@ -71,9 +82,14 @@ class _Stream:
 class XdsServer:
     """ADS over ``unix:<socket_path>``; ``set_state`` pushes to every connected Envoy."""
 
-    def __init__(self, socket_path: str, log: logging.Logger | None = None) -> None:
+    def __init__(self, socket_path: str, log: logging.Logger | None = None,
+                 on_access: AccessCallback | None = None) -> None:
         self.socket_path = socket_path
         self.log = log or logging.getLogger("agent.envoy.xds")
+        self.als = AccessLogServicer(on_access, log=self.log)
+        self._builder = ResourceBuilder()
+        # id(proto) -> (proto, hash): resources the builder reused are not re-serialised.
+        self._hash_memo: dict[int, tuple[Message, str]] = {}
         self._cv = threading.Condition()
         self._version = 0
         self._snap = _Snapshot(0, {t: {} for t in TYPE_ORDER}, {t: {} for t in TYPE_ORDER})
@@ -107,8 +123,10 @@ class XdsServer:
 
     def start(self) -> None:
         self._clear_stale_socket()
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="xds"))
+        # Each open stream holds a worker: ADS streams plus one ALS stream per Envoy worker.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="xds"))
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        add_access_log_servicer(self.als, server)
         if server.add_insecure_port("unix:" + self.socket_path) == 0:
             raise RuntimeError(f"cannot listen on unix:{self.socket_path}")
         server.start()
@@ -123,6 +141,10 @@ class XdsServer:
             self._server.stop(grace).wait(grace + 1.0)
             self._server = None
 
+    def set_access_callback(self, on_access: AccessCallback | None) -> None:
+        """``on_access(listener_name, dst_ip, dst_port)`` per passthrough connection logged."""
+        self.als.set_callback(on_access)
+
     # ---- state -----------------------------------------------------------------------
 
     def set_state(
@@ -132,32 +154,70 @@ class XdsServer:
 
         ``extra_listeners`` are added verbatim (tests use it to inject a bad listener).
         """
-        res = build_resources(state)
-        for lis in extra_listeners:
-            res[LISTENER_TYPE][lis.name] = lis
+        with self._cv:  # the builder's caches are not thread-safe
+            res = self._builder.build(state)
+        if extra_listeners:
+            res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
+            for lis in extra_listeners:
+                res[LISTENER_TYPE][lis.name] = lis
         return self.set_raw_resources(res)
 
+    def _hashes(self, resources: Resources) -> dict[str, dict[str, str]]:
+        """Per-resource hashes, memoised by proto identity (protos are never mutated)."""
+        memo: dict[int, tuple[Message, str]] = {}
+        out: dict[str, dict[str, str]] = {}
+        for t in TYPE_ORDER:
+            hs = out[t] = {}
+            for n, m in resources.get(t, {}).items():
+                hit = self._hash_memo.get(id(m))
+                h = hit[1] if hit is not None and hit[0] is m else resource_hash(m)
+                memo[id(m)] = (m, h)
+                hs[n] = h
+        self._hash_memo = memo
+        return out
+
     def set_raw_resources(self, resources: Resources) -> str:
-        """Publish an arbitrary {type_url: {name: proto}} snapshot (LDS/CDS only)."""
-        hashes = {
-            t: {n: resource_hash(m) for n, m in resources.get(t, {}).items()} for t in TYPE_ORDER
-        }
+        """Publish an arbitrary {type_url: {name: proto}} snapshot (CDS, EDS, LDS)."""
         with self._cv:
+            hashes = self._hashes(resources)
             self._version += 1
             v = self._version
-            for t in TYPE_ORDER:
-                if hashes[t] != self._snap.hashes[t]:
-                    self._changed_at[t] = v
-            self._required[v] = dict(self._changed_at)
+            old = self._snap.hashes
+            changed = {t for t in TYPE_ORDER if hashes[t] != old[t]}
+            for t in changed:
+                self._changed_at[t] = v
+            req = dict(self._changed_at)
+            for t in NAMED_TYPES:
+                if not hashes[t]:  # nothing any Envoy must hold (it drops them with clusters)
+                    req[t] = 0
+            self._required[v] = req
             self._required.pop(v - 10000, None)
             self._snap = _Snapshot(v, {t: dict(resources.get(t, {})) for t in TYPE_ORDER}, hashes)
             for st in self._streams.values():
                 for t in TYPE_ORDER:
-                    if t in st.subscribed and self._changed_at[t] == v:
-                        self._push(st, t)
+                    if t in changed and t in st.subscribed and not self._push(st, t):
+                        self._in_sync(st, t, v)
             self._cv.notify_all()
         self.log.info("xDS state version %d published", v)
         return str(v)
+
+    def _in_sync(self, st: _Stream, t: str, v: int) -> None:
+        """Nothing ``st`` subscribes to changed at ``v``: it is in sync at ``v`` once its
+        outstanding response (if any) is ACKed. Named subscriptions missing some resource
+        that exists are not in sync: Envoy will subscribe to it and get it pushed."""
+        names = st.names.get(t)
+        if names is not None and not set(self._snap.hashes[t]) <= names:
+            return
+        pending = st.last_nonce.get(t)
+        if pending is not None and pending in st.nonce_version:
+            st.nonce_version[pending] = v
+            return
+        self._ack(st, t, v)
+
+    def _ack(self, st: _Stream, t: str, v: int) -> None:
+        st.acked[t] = max(v, st.acked.get(t, -1))
+        if v > self._acked.get(t, -1):
+            self._acked[t] = v
 
     def wait_acked(self, version: str, timeout: float) -> bool:
         """True once some Envoy has ACKed every type at least at the version it had in
@@ -169,7 +229,8 @@ class XdsServer:
             if req is None:
                 raise ValueError(f"unknown version {version}")
             while True:
-                if all(self._acked.get(t, -1) >= rv for t, rv in req.items()):
+                if all(self._acked.get(t, -1) >= rv or (rv == 0 and t in NAMED_TYPES)
+                       for t, rv in req.items()):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -217,19 +278,23 @@ class XdsServer:
             st.out.put(None)
             self._cv.notify_all()
 
-    def _push(self, st: _Stream, type_url: str) -> None:
-        """Queue the current snapshot of ``type_url`` for ``st``. Caller holds the lock."""
+    def _push(self, st: _Stream, type_url: str, force: bool = False) -> bool:
+        """Queue the current snapshot of ``type_url`` (the subscribed part) for ``st``;
+        False if the stream already holds it. Caller holds the lock."""
         snap = self._snap
         nonce = uuid.uuid4().hex
         resp: Message
+        names = st.names.get(type_url)
+        cur = snap.hashes[type_url]
+        if names is not None:
+            cur = {n: h for n, h in cur.items() if n in names}
+        have = st.have.setdefault(type_url, {})
+        force = force or type_url not in st.last_nonce
         if st.delta:
-            have = st.have.setdefault(type_url, {})
-            cur = snap.hashes[type_url]
             changed = [n for n in sorted(cur) if have.get(n) != cur[n]]
             removed = sorted(n for n in have if n not in cur)
-            first = type_url not in st.last_nonce
-            if not changed and not removed and not first:
-                return
+            if not changed and not removed and not force:
+                return False
             d = discovery_pb2.DeltaDiscoveryResponse(
                 type_url=type_url,
                 system_version_info=str(snap.version),
@@ -244,15 +309,52 @@ class XdsServer:
             self.log.debug("stream %d delta %s v%d: +%d -%d", st.sid, type_url,
                            snap.version, len(changed), len(removed))
         else:
+            if cur == have and not force:
+                return False
             s = discovery_pb2.DiscoveryResponse(
                 type_url=type_url, version_info=str(snap.version), nonce=nonce
             )
-            for n in sorted(snap.resources[type_url]):
+            for n in sorted(cur):
                 s.resources.add().Pack(snap.resources[type_url][n])
+            st.have[type_url] = dict(cur)
             resp = s
         st.last_nonce[type_url] = nonce
         st.nonce_version[nonce] = snap.version
         st.out.put(resp)
+        return True
+
+    def _subscribe(self, st: _Stream, type_url: str, req: Any) -> bool:
+        """Apply the request's resource names; True if the subscription changed.
+
+        Delta: ``resource_names_subscribe``/``unsubscribe`` are increments, ``*`` is the
+        wildcard; an initial request without names is wildcard for LDS/CDS. SotW: the
+        names replace the set; empty is wildcard except for named types (EDS).
+        """
+        old = st.names.get(type_url)
+        new: set[str] | None
+        if st.delta:
+            sub, unsub = set(req.resource_names_subscribe), set(req.resource_names_unsubscribe)
+            initial = type_url not in st.subscribed
+            if initial and not sub and type_url not in NAMED_TYPES:
+                new = None
+            elif old is None and not initial:
+                new = None if "*" not in unsub else (sub - {"*"})
+            else:
+                new = ((old or set()) | sub) - unsub
+            if new is not None and "*" in new:
+                new = None
+            have = st.have.get(type_url)
+            if have is not None and new is not None:
+                for n in unsub:
+                    have.pop(n, None)
+        else:
+            names = set(req.resource_names)
+            new = None if ((not names and type_url not in NAMED_TYPES) or "*" in names) else names
+        if new is None:
+            st.names.pop(type_url, None)
+        else:
+            st.names[type_url] = new
+        return new != old
 
     def _on_request(
         self,
@@ -262,6 +364,7 @@ class XdsServer:
         node_id: str,
         error: Any,
         initial_versions: dict[str, str] | None,
+        req: Any = None,
     ) -> None:
         with self._cv:
             if node_id and not st.node_id:
@@ -269,16 +372,32 @@ class XdsServer:
             if type_url not in TYPE_ORDER:
                 self.log.debug("stream %d: ignoring unsupported type %s", st.sid, type_url)
                 return
-            if not nonce:
+            if req is None:
+                req = (discovery_pb2.DeltaDiscoveryRequest() if st.delta
+                       else discovery_pb2.DiscoveryRequest())
+            if not nonce and (type_url not in st.subscribed or not st.delta
+                              or initial_versions):
                 # (Re)subscription. Delta clients tell us what they already hold.
                 if st.delta:
                     st.have[type_url] = dict(initial_versions or {})
+                else:
+                    st.have.pop(type_url, None)
+                st.subscribed.discard(type_url)
+                self._subscribe(st, type_url, req)
                 st.subscribed.add(type_url)
                 st.last_nonce.pop(type_url, None)
-                self._push(st, type_url)
+                self._push(st, type_url, force=True)
+                return
+            resubscribed = self._subscribe(st, type_url, req)
+            if not nonce:
+                # Delta subscription change on an open type: send what was added.
+                if resubscribed and not self._push(st, type_url):
+                    self._in_sync(st, type_url, self._snap.version)
                 return
             if nonce != st.last_nonce.get(type_url):
                 self.log.debug("stream %d: stale nonce for %s ignored", st.sid, type_url)
+                if resubscribed:
+                    self._push(st, type_url, force=not st.delta)
                 return
             version = st.nonce_version.pop(nonce, 0)
             if error is not None and error.code != 0:
@@ -293,10 +412,10 @@ class XdsServer:
                 self.log.warning("Envoy NACKed %s version %d: %s", type_url, version,
                                  error.message)
             else:
-                st.acked[type_url] = version
-                if version > self._acked.get(type_url, -1):
-                    self._acked[type_url] = version
+                self._ack(st, type_url, version)
                 self.log.debug("stream %d ACKed %s v%d", st.sid, type_url, version)
+            if resubscribed and not self._push(st, type_url, force=not st.delta):
+                self._in_sync(st, type_url, self._snap.version)
             self._cv.notify_all()
 
     def _serve(self, st: _Stream, requests: Iterator[Any], context: grpc.ServicerContext
@@ -307,7 +426,7 @@ class XdsServer:
                     err = req.error_detail if req.HasField("error_detail") else None
                     init = dict(req.initial_resource_versions) if st.delta else None
                     self._on_request(st, req.type_url, req.response_nonce, req.node.id,
-                                     err, init)
+                                     err, init, req)
             except Exception as e:  # client went away / server stopping
                 self.log.debug("stream %d reader ended: %s", st.sid, e)
             finally:

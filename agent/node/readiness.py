@@ -170,5 +170,7 @@ def shutting_down_for_good(kubeconfig: str | None, namespace: str, daemonset: st
     """Our DaemonSet gone or being deleted: the node will have no agent, so re-taint."""
     from agent.install.kube import DaemonSetState, daemonset_state
 
+    if not daemonset:
+        return True  # no DaemonSet to consult (standalone-style run): every stop is final
     return daemonset_state(kubeconfig, namespace, daemonset) in (
         DaemonSetState.ABSENT, DaemonSetState.DELETING)

@@ -439,6 +439,12 @@ class FakeApiServer:
         with self._lock:
             self._fail.extend([status] * n)
 
+    def clear_faults(self) -> None:
+        """Drop queued failures and the delay: the API is healthy again."""
+        with self._lock:
+            self._fail.clear()
+        self._delay = 0.0
+
     def delay(self, seconds: float) -> None:
         """Sleep this long before answering every request (0 to turn off)."""
         self._delay = seconds

@@ -1,0 +1,113 @@
+"""Envoy access log service (ALS) sink: passthrough connections -> dependency learning.
+
+The passthrough chain of every pod listener streams a TCP gRPC access log entry per
+connection (``envoy.access_loggers.tcp_grpc``, log name ``aether-passthrough``) over the
+same unix socket as ADS. Each entry's ``downstream_local_address`` is the original
+destination (the ``original_dst`` listener filter restored it), and the ``listener`` custom
+tag names the pod listener (``capture-<container id>``). The agent only needs (ip, port)
+to learn a Service dependency, so everything else in the entry is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from agent.envoy.resources import ALS_LISTENER_TAG, ALS_LOG_NAME
+
+# on_access(listener_name, dst_ip, dst_port); listener_name is "" if Envoy sent none.
+AccessCallback = Callable[[str, str, int], None]
+
+
+@dataclass(frozen=True)
+class AccessEntry:
+    """One logged passthrough connection, reduced to what learning needs."""
+
+    listener_name: str
+    dst_ip: str
+    dst_port: int
+    src_ip: str = ""
+
+
+def parse_tcp_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> AccessEntry | None:
+    """None when the entry has no IP destination (e.g. a pipe), which cannot be a Service."""
+    common = entry.common_properties
+    dst = common.downstream_local_address.socket_address
+    if not dst.address or not dst.port_value:
+        return None
+    src = common.downstream_remote_address.socket_address
+    return AccessEntry(
+        listener_name=common.custom_tags.get(ALS_LISTENER_TAG, ""),
+        dst_ip=dst.address,
+        dst_port=int(dst.port_value),
+        src_ip=src.address,
+    )
+
+
+def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:
+    """The TCP entries of one stream message (HTTP entries are not ours yet)."""
+    out = []
+    for e in msg.tcp_logs.log_entry:
+        parsed = parse_tcp_entry(e)
+        if parsed is not None:
+            out.append(parsed)
+    return out
+
+
+class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
+    """Reads ALS streams and calls ``on_access`` per entry; a failing callback is logged,
+    never allowed to break the stream (Envoy would reconnect and buffer meanwhile)."""
+
+    def __init__(self, on_access: AccessCallback | None = None,
+                 log: logging.Logger | None = None) -> None:
+        self._cb = on_access
+        self._lock = threading.Lock()
+        self.log = log or logging.getLogger("agent.envoy.als")
+        self.entries = 0
+        self.streams = 0
+
+    def set_callback(self, on_access: AccessCallback | None) -> None:
+        with self._lock:
+            self._cb = on_access
+
+    def handle(self, msg: als_pb2.StreamAccessLogsMessage, log_name: str) -> None:
+        """Dispatch one message (``log_name`` is the stream's, sent only in its first)."""
+        if log_name and log_name != ALS_LOG_NAME:
+            return
+        with self._lock:
+            cb = self._cb
+        for e in parse_message(msg):
+            self.entries += 1
+            if cb is None:
+                continue
+            try:
+                cb(e.listener_name, e.dst_ip, e.dst_port)
+            except Exception:
+                self.log.exception("access callback failed for %s:%d", e.dst_ip, e.dst_port)
+
+    def StreamAccessLogs(  # noqa: N802 - grpc naming
+        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        self.streams += 1
+        log_name = ""
+        try:
+            for msg in request_iterator:
+                if msg.HasField("identifier"):
+                    log_name = msg.identifier.log_name
+                self.handle(msg, log_name)
+        except grpc.RpcError as e:  # Envoy went away or the server is stopping
+            self.log.debug("access log stream ended: %s", e)
+        finally:
+            self.streams -= 1
+        return als_pb2.StreamAccessLogsResponse()
+
+
+def add_access_log_servicer(servicer: AccessLogServicer, server: grpc.Server) -> None:
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)

@@ -1,0 +1,1 @@
+"""Opt-in EndpointSlice projection of the registry's local endpoints (proposal 020, Part 2)."""

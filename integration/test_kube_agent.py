@@ -1,0 +1,181 @@
+"""The agent on the Kubernetes API (the project's test API server, the real client):
+Events on pods, and ADD that keeps working while the API drops watches, answers 410/500s,
+is slow, or restarts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.netns import nft
+from agent.testing.apiserver import FakeApiServer
+from agent.testing.kubelet import Kubelet, Pod
+from integration.conftest import SUBNET4, SUBNET6, AgentProc
+
+
+def ns_obj(name: str, managed: bool) -> dict[str, Any]:
+    labels = {"aether.io/managed": "true"} if managed else {}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+
+def pod_obj(pod: Pod, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                         "annotations": annotations or {}},
+            "spec": {"nodeName": "test-node", "serviceAccountName": "sa1",
+                     "containers": [{"name": "c", "image": "x"}]}}
+
+
+class KubeAgent(AgentProc):
+    def __init__(self, workdir: str, kubeconfig: str) -> None:
+        super().__init__(workdir)
+        self.kubeconfig = kubeconfig
+
+    def start(self, env: dict[str, str] | None = None) -> AgentProc:
+        cmd = [sys.executable, "-m", "agent.cli", "run", "--kubeconfig", self.kubeconfig,
+               "--node-name", "test-node", "--run-dir", self.run_dir, "--log-format", "json",
+               "--no-envoy", "--daemonset-name", ""]
+        log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.status()
+                return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(self.logs()[-3000:]) from None
+                time.sleep(0.05)
+        raise RuntimeError("agent did not come up")
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    srv = FakeApiServer().start()
+    srv.put_object(ns_obj("app", True))
+    srv.put_object(ns_obj("plain", False))
+    srv.put_object({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "test-node"},
+                    "spec": {"taints": [{"key": "aether.io/agent-not-ready",
+                                         "effect": "NoSchedule"}]}})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def kagent(api: FakeApiServer, workdir: str, bridge_name: str) -> Iterator[tuple[KubeAgent, Kubelet]]:
+    kc = api.kubeconfig(os.path.join(workdir, "kubeconfig"))
+    agent = KubeAgent(workdir, kc)
+    agent.start()
+    kubelet = Kubelet(workdir, bridge_name, SUBNET4, SUBNET6,
+                      {"agent_socket": agent.socket, "capture_redirect_all_default": True})
+    made: list[Pod] = []
+    yield agent, kubelet
+    for p in kubelet_pods(kubelet):
+        made.append(p)
+    agent.stop()
+
+
+_PODS: dict[int, list[Pod]] = {}
+
+
+def kubelet_pods(k: Kubelet) -> list[Pod]:
+    return _PODS.get(id(k), [])
+
+
+def new_pod(api: FakeApiServer, k: Kubelet, annotations: dict[str, str] | None = None) -> Pod:
+    pod = k.new_pod("app", f"web-{len(_PODS.get(id(k), []))}-{time.monotonic_ns() % 10000}")
+    api.put_object(pod_obj(pod, annotations))
+    _PODS.setdefault(id(k), []).append(pod)
+    return pod
+
+
+@pytest.fixture(autouse=True)
+def _cleanup_pods() -> Iterator[None]:
+    yield
+    for pods in _PODS.values():
+        for p in pods:
+            subprocess.run(["ip", "netns", "del", p.netns_name], check=False, capture_output=True)
+    _PODS.clear()
+
+
+def wait_for(pred: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached")
+
+
+def test_invalid_annotation_becomes_a_pod_event(api: FakeApiServer,
+                                                kagent: tuple[KubeAgent, Kubelet]) -> None:
+    agent, k = kagent
+    pod = new_pod(api, k, {"capture.aether.io/exclude-outbound-ports": "80,http"})
+    k.add(pod)
+    assert "tcp dport 80 return" in (nft.list_table_text(pod.netns) or "")
+    events = api.events_for("app", pod.name)
+    assert [e["reason"] for e in events] == ["CaptureAnnotationInvalid"]
+    assert "'http'" in events[0]["message"]
+    assert events[0]["involvedObject"]["uid"] == pod.uid
+
+
+def test_add_keeps_working_through_api_trouble(api: FakeApiServer,
+                                               kagent: tuple[KubeAgent, Kubelet]) -> None:
+    agent, k = kagent
+    first = new_pod(api, k)
+    k.add(first)
+    # the watch cache knows the pod: ADD must not need the API at all
+    known = new_pod(api, k)
+    wait_for(lambda: pods_cached(agent) >= 2)
+    api.fail_next(1000, 500)
+    api.delay(3.0)
+    t0 = time.monotonic()
+    k.add(known)
+    assert time.monotonic() - t0 < 3.0
+    assert nft.list_table_text(known.netns) is not None
+    api.clear_faults()
+    # watches cut and history compacted: the watcher relists (410) and converges
+    api.compact()
+    api.drop_watches(abrupt=True)
+    later = new_pod(api, k)
+    wait_for(lambda: pods_cached(agent) >= 3, 20)
+    api.fail_next(1000, 500)
+    k.add(later)
+    api.clear_faults()
+    assert len(agent.status()["pods"]) == 3
+    assert agent.proc is not None and agent.proc.poll() is None
+
+
+def pods_cached(agent: KubeAgent) -> int:
+    return int(agent.status()["mesh"]["objects_by_kind"].get("Pod", 0))
+
+
+def test_api_server_restart(api: FakeApiServer, kagent: tuple[KubeAgent, Kubelet]) -> None:
+    agent, k = kagent
+    api.stop()
+    time.sleep(1.0)
+    api.start()
+    pod = new_pod(api, k)
+    wait_for(lambda: pods_cached(agent) >= 1, 20)
+    k.add(pod)
+    assert nft.list_table_text(pod.netns) is not None
+
+
+def test_unknown_pod_and_api_down_fails_closed(api: FakeApiServer,
+                                               kagent: tuple[KubeAgent, Kubelet]) -> None:
+    agent, k = kagent
+    pod = k.new_pod("app", "never-listed")
+    _PODS.setdefault(id(k), []).append(pod)
+    api.fail_next(1000, 503)
+    from agent.testing.kubelet import CniError
+    with pytest.raises(CniError) as err:
+        k.add(pod)
+    assert err.value.result["code"] == 11
+    assert "cannot read pod app/never-listed" in err.value.msg
+    api.clear_faults()

@@ -1,0 +1,249 @@
+"""Fault injection, storms and soak (issue 7): real agent, real Envoy, real netns, root."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from agent.netns import nft
+from agent.testing.kubelet import CniError
+from agent.testing.netutil import dial, host_server
+from integration.conftest import GW4, EnvoyNode
+
+
+@pytest.fixture
+def hnode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    """An Envoy node with a short hang timeout, for the hung-Envoy test."""
+    n = EnvoyNode(workdir, bridge_name, extra=["--envoy-hang-timeout", "3"])
+    n.agent.start()
+    n.wait_ready()
+    yield n
+    n.cleanup()
+    n.agent.stop()
+
+
+@pytest.mark.parametrize("point", ["crash-after-rules", "crash-before-listener"])
+def test_agent_killed_during_add_never_half_captures(enode: EnvoyNode, point: str) -> None:
+    tcp, tport = host_server()
+    try:
+        enode.agent.stop()
+        enode.agent.start(env={"AETHER_FAULT": point})
+        pod = enode.pod()
+        with pytest.raises(CniError) as err:
+            enode.add(pod)
+        assert err.value.result["code"] == 100  # the agent died mid-request: fail closed
+        enode.agent.proc.wait(10)  # type: ignore[union-attr]
+        # meanwhile the pod's traffic is refused or captured, never sent around the mesh
+        r = dial(pod.netns, GW4, tport, timeout=1)
+        assert r != "direct" or GW4 in {p for p, _ in tcp.seen}
+        assert pod.ip(4) not in {p for p, _ in tcp.seen}
+        enode.agent.start()
+        enode.wait_ready()
+        enode.kubelet.add_aether_only(pod)  # kubelet retries the ADD
+        assert f"capture-{pod.container_id}" in enode.listeners()
+        assert dial(pod.netns, GW4, tport) == "direct"
+        assert pod.ip(4) not in {p for p, _ in tcp.seen}  # it went through Envoy
+        st = enode.agent.status()
+        assert [p["rules"] for p in st["pods"]] == ["ok"]
+    finally:
+        tcp.close()
+
+
+def test_agent_restart_refuses_nothing_for_more_than_a_second(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    tcp, tport = host_server()
+    failures: list[float] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            if dial(pod.netns, GW4, tport, timeout=1) != "direct":
+                failures.append(time.monotonic())
+            time.sleep(0.02)
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        time.sleep(0.5)
+        enode.agent.stop(signal.SIGKILL)
+        time.sleep(0.5)
+        enode.agent.start()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join()
+        tcp.close()
+    streak = (failures[-1] - failures[0]) if failures else 0.0
+    assert streak <= 1.0, f"{len(failures)} refused connections over {streak:.2f}s"
+
+
+def test_envoy_hung_is_detected_and_restarted(hnode: EnvoyNode) -> None:
+    pod = hnode.pod()
+    hnode.add(pod)
+    tcp, tport = host_server()
+    try:
+        pid = hnode.envoy_pid()
+        os.kill(pid, signal.SIGSTOP)
+        # hung: connections are not served and never bypass Envoy
+        assert dial(pod.netns, GW4, tport, timeout=1) != "direct"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if dial(pod.netns, GW4, tport, timeout=1) == "direct":
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("envoy was not restarted after hanging")
+        assert hnode.envoy_pid() != pid
+        assert hnode.agent.status()["envoy"]["hang_kills"] >= 1
+        assert pod.ip(4) not in {p for p, _ in tcp.seen}
+    finally:
+        tcp.close()
+
+
+def test_netns_deleted_under_captured_pod(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.add(pod)
+    pid = enode.envoy_pid()
+    ino = os.stat(pod.netns).st_ino
+    subprocess.run(["ip", "netns", "del", pod.netns_name], check=True)
+    enode.kubelet.delete_aether_only(pod)
+    assert f"capture-{pod.container_id}" not in enode.listeners()
+    deadline = time.monotonic() + 10
+    while any(_fd_ns(pid, fd) == ino for fd in os.listdir(f"/proc/{pid}/fd")):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    enode.kubelet.delete_aether_only(pod)  # and again: still fine
+
+
+def _fd_ns(pid: int, fd: str) -> int | None:
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
+    return int(link[5:-1]) if link.startswith("net:[") else None
+
+
+def test_del_arriving_before_add_finished(enode: EnvoyNode) -> None:
+    pod = enode.pod()
+    enode.kubelet.create_sandbox(pod)
+    pid = enode.envoy_pid()
+    os.kill(pid, signal.SIGSTOP)  # ADD now waits for Envoy's ACK
+    result: list[object] = []
+    adder = threading.Thread(target=lambda: result.append(_try(lambda: enode.kubelet.add(pod, create=False))))
+    adder.start()
+    time.sleep(1.0)
+    deleter = threading.Thread(target=lambda: result.append(_try(lambda: enode.kubelet.delete(pod, remove_netns=False))))
+    deleter.start()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGCONT)
+    adder.join(60)
+    deleter.join(60)
+    enode.pods.remove(pod)
+    subprocess.run(["ip", "netns", "del", pod.netns_name], check=False)
+    time.sleep(0.5)
+    assert enode.agent.status()["pods"] == []
+    assert f"capture-{pod.container_id}" not in enode.listeners()
+
+
+def _try(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def test_hundred_concurrent_adds(enode: EnvoyNode) -> None:
+    pods = [enode.pod(name=f"storm-{i}") for i in range(100)]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        list(ex.map(enode.kubelet.create_sandbox, pods))
+    times: list[float] = []
+
+    def add(p: object) -> None:
+        t0 = time.monotonic()
+        enode.kubelet.add(p, create=False)  # type: ignore[arg-type]
+        times.append(time.monotonic() - t0)
+
+    with concurrent.futures.ThreadPoolExecutor(100) as ex:
+        list(ex.map(add, pods))
+    st = enode.agent.status()
+    assert len(st["pods"]) == 100 and all(p["rules"] == "ok" for p in st["pods"])
+    listeners = [n for n in enode.listeners() if n.startswith("capture-")]
+    assert len(listeners) == 100
+    times.sort()
+    print(f"\n100 concurrent ADDs (bridge + aether-cni): p50 {times[49]*1000:.0f} ms, "
+          f"p99 {times[98]*1000:.0f} ms")
+
+
+def test_thousand_add_del_cycles_leave_nothing(enode: EnvoyNode) -> None:
+    agent = psutil.Process(enode.agent.proc.pid)  # type: ignore[union-attr]
+    envoy_pid = enode.envoy_pid()
+    pods = [enode.pod(name=f"soak-{i}") for i in range(10)]
+    for p in pods:
+        enode.kubelet.create_sandbox(p)
+        enode.kubelet.add(p, create=False)
+        enode.kubelet.delete_aether_only(p)
+    start = (agent.num_threads(), agent.memory_info().rss, len(agent.open_files()))
+
+    def cycle(p: object) -> None:
+        for _ in range(100):
+            enode.kubelet.add_aether_only(p)  # type: ignore[arg-type]
+            enode.kubelet.delete_aether_only(p)  # type: ignore[arg-type]
+
+    with concurrent.futures.ThreadPoolExecutor(10) as ex:
+        list(ex.map(cycle, pods))
+    time.sleep(1.0)
+    end = (agent.num_threads(), agent.memory_info().rss, len(agent.open_files()))
+    print(f"\nsoak 1000 ADD/DEL: threads {start[0]}→{end[0]}, agent RSS "
+          f"{start[1] >> 20}→{end[1] >> 20} MiB, open files {start[2]}→{end[2]}")
+    assert enode.agent.status()["pods"] == []
+    assert [n for n in enode.listeners() if n.startswith("capture-")] == []
+    for p in pods:
+        assert nft.list_table_text(p.netns) is None
+    run_netns = os.path.join(enode.agent.run_dir, "netns")
+    assert not os.path.isdir(run_netns) or os.listdir(run_netns) == []
+    assert os.listdir(os.path.join(enode.agent.run_dir, "pods")) == []
+    inos = {os.stat(p.netns).st_ino for p in pods}
+    assert not [fd for fd in os.listdir(f"/proc/{envoy_pid}/fd") if _fd_ns(envoy_pid, fd) in inos]
+    assert end[0] <= start[0] + 4, "thread count grew"
+    assert end[1] <= start[1] + (40 << 20), "agent RSS grew by more than 40 MiB"
+
+
+def test_malformed_requests_on_the_socket(enode: EnvoyNode) -> None:
+    sock_path = enode.agent.socket
+    assert os.stat(sock_path).st_mode & 0o777 == 0o600
+
+    def raw(payload: bytes) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(sock_path)
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            return s.recv(1 << 20).decode()
+
+    rc, _, out = raw(b"{not json").partition("\n")
+    assert rc == "1" and json.loads(out)["code"] == 6
+    rc, _, out = raw(b"x" * (2 << 20))
+    assert rc == "1" and "larger than 1 MiB" in json.loads(out)["msg"]
+    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/proc/1/../../etc/passwd",
+           "CNI_ARGS": "K8S_POD_NAMESPACE=app;K8S_POD_NAME=x"}
+    req = {"v": 2, "env": env, "stdin": {"cniVersion": "1.0.0", "prevResult": {}}}
+    rc, _, out = raw(json.dumps(req).encode())
+    assert rc == "1" and "clean absolute path" in json.loads(out)["msg"]
+    env["CNI_NETNS"] = "/etc/passwd"
+    rc, _, out = raw(json.dumps(req).encode())
+    assert rc == "1" and "not a namespace" in json.loads(out)["details"] + json.loads(out)["msg"]
+    req["env"] = {"CNI_COMMAND": 7}  # type: ignore[assignment]
+    rc, _, out = raw(json.dumps(req).encode())
+    assert rc == "1"
+    assert enode.agent.proc.poll() is None  # type: ignore[union-attr]
