@@ -48,6 +48,8 @@ class AgentOptions:
     daemonset_name: str = "aether-agent"
     daemonset_namespace: str = "aether-system"
     node_loops: bool = True  # readiness taint + repair (only with the Kubernetes API)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # None or 0: no metrics server
 
 
 class Agent:
@@ -62,6 +64,8 @@ class Agent:
         self.mesh: MeshRuntime | None = None
         self.repair: Any = None
         self.readiness: Any = None
+        self.metrics: Any = None
+        self.metrics_server: Any = None
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -95,6 +99,8 @@ class Agent:
         self.status_server.start()
         if self.options.kube and self.options.node_loops:
             self._start_node_loops()
+        if self.options.metrics_port:
+            self._start_metrics()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
 
@@ -123,6 +129,49 @@ class Agent:
             set_learner(self.mesh.learned)
         sink = self.sink if callable(getattr(self.sink, "set_services", None)) else None
         self.mesh.start(watcher, sink)  # type: ignore[arg-type]
+
+    def readiness_checks(self) -> dict[str, bool]:
+        """What /readyz and the node taint wait for: plugin installed, socket served, Envoy."""
+        from agent.node.readiness import plugin_installed, socket_serving
+        o = self.options
+        ready = getattr(self.sink, "ready", None)
+        checks = {
+            "socket": socket_serving(self.node.cni_socket),
+            "envoy": bool(ready()) if callable(ready) else True,
+        }
+        if o.kube:
+            checks["plugin"] = plugin_installed(o.cni_conf_dir, o.cni_bin_dir)
+        return checks
+
+    def _dependency_set_size(self) -> float:
+        return float(len(self.mesh.model.in_scope_keys())) if self.mesh is not None else 0.0
+
+    def _start_metrics(self) -> None:
+        from agent.metrics import Metrics, MetricsServer
+        m = Metrics()
+        self.metrics = m
+        self.handler.metrics = m
+        sink: Any = self.sink
+        m.set_sources(
+            pods_captured=lambda: float(len(self.store.all())),
+            annotation_errors=lambda: float(self.handler.counters.annotation_errors),
+            dependency_set_size=self._dependency_set_size if self.mesh is not None else None,
+            envoy_restarts=(lambda: float(sink.supervisor.restarts))
+            if hasattr(sink, "supervisor") else None,
+            envoy_ready=(lambda: float(bool(sink.ready()))) if hasattr(sink, "ready") else None,
+            xds_nacks=(lambda: float(sink.xds.status().get("nack_count") or 0))
+            if hasattr(sink, "xds") else None,
+        )
+
+        def ready() -> tuple[bool, str]:
+            failing = [k for k, ok in self.readiness_checks().items() if not ok]
+            return not failing, ", ".join(failing) or "ready"
+
+        self.metrics_server = MetricsServer(m, self.options.metrics_host, self.options.metrics_port or 0,
+                                            live=lambda: not self.stopped.is_set(), ready=ready)
+        self.metrics_server.start()
+        log.info("metrics on %s:%d (/metrics /healthz /readyz)", self.metrics_server.host,
+                 self.metrics_server.port)
 
     def _start_node_loops(self) -> None:
         from agent.install.kube import api_client
@@ -157,6 +206,8 @@ class Agent:
                 o.kubeconfig, o.daemonset_namespace, o.daemonset_name))
         if self.mesh is not None:
             self.mesh.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         self.cni_server.stop()
         self.status_server.stop()
         stop = getattr(self.sink, "stop", None)
@@ -223,6 +274,7 @@ class Agent:
                 "exclude_cidrs": list(pod.policy.exclude_v4 + pod.policy.exclude_v6),
                 "rules": verified,
                 "problems": [str(x) for x in pod.problems],
+                "net_admin": pod.net_admin,
             })
         out: dict[str, Any] = {
             "version": __version__,
@@ -232,7 +284,11 @@ class Agent:
             "run_dir": self.node.run_dir,
             "counters": vars(c).copy(),
             "pods": pods,
-            "warnings": list(self.handler.recent_problems),
+            "warnings": list(self.handler.recent_problems) + [
+                {"pod": p["pod"], "reason": "NetAdminPod",
+                 "message": "holds NET_ADMIN (or is privileged): it could set the passthrough "
+                            "mark on its own sockets and bypass capture"}
+                for p in pods if p["net_admin"]],
             "reconcile": list(self.reconcile_report),
         }
         if self.mesh is not None:
@@ -249,7 +305,44 @@ class Agent:
         )
         return out
 
+    def pod_status(self, key: str, dest: str | None) -> dict[str, Any]:
+        """One pod in depth: rules as programmed, its listener, and where dest would go."""
+        pods = [p for p in self.store.all() if p.key == key]
+        if not pods:
+            return {"ok": False, "msg": f"pod {key} is not captured on this node"}
+        pod = pods[0]
+        out: dict[str, Any] = {"pod": key, "container_id": pod.container_id, "netns": pod.netns,
+                               "mode": pod.policy.mode, "reason": pod.reason, "ips": pod.ips,
+                               "problems": [str(x) for x in pod.problems]}
+        try:
+            out["rules"] = nft.list_table_text(pod.netns)
+            live = nft.live_fingerprint(pod.netns)
+            out["rules_verified"] = "ok" if live == pod.fingerprint else "drift"
+        except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+            out["rules"], out["rules_verified"] = None, f"error: {e}"
+        out["listener"] = f"capture-{pod.container_id}"
+        has = getattr(self.sink, "has_listener", None)
+        out["listener_live"] = bool(has(pod.container_id)) if callable(has) else None
+        if dest:
+            from agent.capture.explain import explain_destination
+            host, _, port = dest.rpartition(":")
+            host = host.strip("[]")
+            services: dict[tuple[str, int], str] = {}
+            if self.mesh is not None:
+                for view in self.mesh.model.in_scope_services():
+                    for ip in view.cluster_ips:
+                        for sp in view.ports:
+                            services[(ip, sp.port)] = view.key
+            try:
+                out["dest"] = {"address": dest, "verdict": explain_destination(
+                    pod.policy, pod.ips, host, int(port), services)}
+            except ValueError:
+                out["dest"] = {"address": dest, "verdict": "expected IP:port"}
+        return {"ok": True, "pod": out}
+
     def _status_request(self, request: Any) -> dict[str, Any]:
+        if isinstance(request, dict) and request.get("command") == "pod":
+            return self.pod_status(str(request.get("pod")), request.get("dest"))
         if not isinstance(request, dict) or request.get("command") != "status":
             return {"ok": False, "msg": "expected {\"command\": \"status\"}"}
         return {"ok": True, "status": self.status()}

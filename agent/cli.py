@@ -57,6 +57,8 @@ def run(
     cni_bin_dir: Annotated[str, typer.Option(help="Host CNI bin dir (readiness check).")] = "/opt/cni/bin",
     daemonset_name: Annotated[str, typer.Option(help="Our DaemonSet: gone means shutdown for good.")] = "aether-agent",
     daemonset_namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE", help="Our namespace.")] = "aether-system",
+    metrics_port: Annotated[int, typer.Option(help="Port of /metrics, /healthz, /readyz (0: off).")] = 15020,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics server binds.")] = "0.0.0.0",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
 ) -> None:
@@ -94,7 +96,7 @@ def run(
         manifests=manifests, kubeconfig=kubeconfig, kube=not manifests, mesh_domain=mesh_domain,
         trust_domain=trust_domain, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
-        daemonset_namespace=daemonset_namespace,
+        daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()
@@ -105,36 +107,45 @@ def run(
     agent.stop()
 
 
-def _ask_status(run_dir: str) -> dict[str, Any]:
+def _ask(run_dir: str, request: dict[str, Any]) -> dict[str, Any]:
     from agent.cni import protocol as p
     path = os.path.join(run_dir, "status.sock")
-    answer = p.call(path, {"command": "status"}, 10.0)
+    answer = p.call(path, request, 10.0)
     if not answer.get("ok"):
-        raise RuntimeError(str(answer.get("msg")))
-    status: dict[str, Any] = answer["status"]
-    return status
+        raise LookupError(str(answer.get("msg")))
+    return answer
 
 
 @app.command()
 def status(
+    pod: Annotated[str | None, typer.Argument(help="<namespace>/<pod> to drill into.")] = None,
+    dest: Annotated[str | None, typer.Option(help="With a pod: where would IP:port go?")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
 ) -> None:
-    """Ask the live agent how this node is doing (exit 1 when degraded or unreachable)."""
+    """Ask the live agent how this node is doing (exit 1 degraded, 2 unreachable)."""
     try:
-        st = _ask_status(run_dir)
-    except (OSError, ValueError, RuntimeError) as e:
+        if pod:
+            doc = _ask(run_dir, {"command": "pod", "pod": pod, "dest": dest})["pod"]
+        else:
+            doc = _ask(run_dir, {"command": "status"})["status"]
+    except LookupError as e:
+        print(str(e), file=sys.stderr)
+        raise typer.Exit(3) from e
+    except (OSError, ValueError) as e:
         if as_json:
             print(json.dumps({"reachable": False, "error": str(e), "degraded": True}))
         else:
             print(f"aether-agent is not reachable at {run_dir}/status.sock: {e}", file=sys.stderr)
         raise typer.Exit(2) from e
+    from agent.status_view import render, render_pod
     if as_json:
-        print(json.dumps(st, indent=2, sort_keys=True))
+        print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        from agent.status_view import render
-        print(render(st))
-    raise typer.Exit(1 if st.get("degraded") else 0)
+        print(render_pod(doc) if pod else render(doc))
+    if pod:
+        raise typer.Exit(0 if doc.get("rules_verified") == "ok" else 1)
+    raise typer.Exit(1 if doc.get("degraded") else 0)
 
 
 @app.command()

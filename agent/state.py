@@ -37,6 +37,7 @@ class CapturedPod:
     problems: list[AnnotationProblem] = field(default_factory=list)
     pinned: bool = False
     captured_at: float = 0.0
+    net_admin: bool = False
 
     @property
     def key(self) -> str:

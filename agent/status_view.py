@@ -38,6 +38,19 @@ def render(st: dict[str, Any]) -> str:
         rows = [[p["pod"], p["mode"], p["rules"], ",".join(p["exclude_ports"]) or "-",
                  ",".join(p["exclude_cidrs"]) or "-", ",".join(p["ips"]) or "-"] for p in pods]
         lines.append(_table(["POD", "MODE", "RULES", "EXCL PORTS", "EXCL CIDRS", "IPS"], rows))
+    mesh = st.get("mesh")
+    if mesh:
+        deps = mesh.get("dependency_set") or {}
+        lines.append("")
+        lines.append(f"dependency set: {mesh.get('dependency_set_size')} served · source "
+                     f"{mesh.get('source')} · {mesh.get('objects')} objects · pushes "
+                     f"{mesh.get('pushes')} (last {mesh.get('last_push_ms')} ms)")
+        for key, why in list(deps.items())[:50]:
+            lines.append(f"  {key}: {'; '.join(why)}")
+        if len(deps) > 50:
+            lines.append(f"  … {len(deps) - 50} more (use --json)")
+    for miss in st.get("capture_missing") or []:
+        lines.append(f"  CAPTURE MISSING: {miss}")
     warnings = st.get("warnings", [])
     if warnings:
         lines.append("")
@@ -47,4 +60,21 @@ def render(st: dict[str, Any]) -> str:
         lines.append("")
         lines.append("at startup:")
         lines += [f"  {m}" for m in st["reconcile"]]
+    return "\n".join(lines)
+
+
+def render_pod(p: dict[str, Any]) -> str:
+    lines = [
+        f"pod {p['pod']} ({p['mode']}, {p['reason']})",
+        f"  container {p['container_id']} · netns {p['netns']} · ips {', '.join(p['ips']) or '-'}",
+        f"  rules: {p['rules_verified']} · listener {p['listener']}: "
+        f"{'live' if p.get('listener_live') else 'unknown' if p.get('listener_live') is None else 'MISSING'}",
+    ]
+    for prob in p.get("problems") or []:
+        lines.append(f"  annotation problem: {prob}")
+    if p.get("dest"):
+        lines.append(f"  {p['dest']['address']} → {p['dest']['verdict']}")
+    if p.get("rules"):
+        lines.append("")
+        lines.append(str(p["rules"]).rstrip())
     return "\n".join(lines)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -72,6 +73,8 @@ class AgentProc:
                "--log-level", "debug"]
         if not self.envoy:
             cmd.append("--no-envoy")
+        self.metrics_port = free_port()
+        cmd += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
         cmd += self.extra
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
@@ -96,6 +99,14 @@ class AgentProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def http(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}",
+                                        timeout=5) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode()
 
     def status(self) -> dict[str, Any]:
         answer = protocol.call(os.path.join(self.run_dir, "status.sock"), {"command": "status"}, 10)

@@ -241,3 +241,32 @@ def test_add_fails_closed_when_envoy_cannot_confirm(enode: EnvoyNode) -> None:
     finally:
         os.kill(pid, signal.SIGCONT)
     assert nft.list_table_text(pod.netns) is not None  # rules stay: refused, never bypassed
+
+
+def test_metrics_count_real_adds_and_readyz_follows_envoy(enode: EnvoyNode) -> None:
+    a = enode.agent
+    assert a.http("/healthz")[0] == 200
+    assert a.http("/readyz") == (200, "ready") or a.http("/readyz")[0] == 200
+    pods = [enode.pod(), enode.pod(namespace="plain")]
+    for p in pods:
+        enode.add(p)
+    _, text = a.http("/metrics")
+    assert 'aether_cni_requests_total{command="ADD",outcome="ok"} 1.0' in text
+    assert 'aether_cni_requests_total{command="ADD",outcome="skipped"} 1.0' in text
+    assert "aether_pods_captured 1.0" in text
+    assert "aether_envoy_ready 1.0" in text
+    assert 'aether_cni_request_duration_seconds_count{command="ADD"} 2.0' in text
+    pid = enode.envoy_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while a.http("/readyz")[0] != 503:
+            assert time.monotonic() < deadline, "readyz did not flip with Envoy down"
+            time.sleep(0.2)
+        assert "envoy" in a.http("/readyz")[1]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while a.http("/readyz")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

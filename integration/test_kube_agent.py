@@ -40,7 +40,7 @@ class KubeAgent(AgentProc):
     def start(self, env: dict[str, str] | None = None) -> AgentProc:
         cmd = [sys.executable, "-m", "agent.cli", "run", "--kubeconfig", self.kubeconfig,
                "--node-name", "test-node", "--run-dir", self.run_dir, "--log-format", "json",
-               "--no-envoy", "--daemonset-name", ""]
+               "--no-envoy", "--daemonset-name", "", "--metrics-port", "0"]
         log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         deadline = time.monotonic() + 60

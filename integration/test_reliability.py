@@ -143,7 +143,8 @@ def test_del_arriving_before_add_finished(enode: EnvoyNode) -> None:
     adder = threading.Thread(target=lambda: result.append(_try(lambda: enode.kubelet.add(pod, create=False))))
     adder.start()
     time.sleep(1.0)
-    deleter = threading.Thread(target=lambda: result.append(_try(lambda: enode.kubelet.delete(pod, remove_netns=False))))
+    deleter = threading.Thread(
+        target=lambda: result.append(_try(lambda: enode.kubelet.delete(pod, remove_netns=False))))
     deleter.start()
     time.sleep(0.5)
     os.kill(pid, signal.SIGCONT)

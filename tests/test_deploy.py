@@ -242,23 +242,53 @@ def test_cni_install_flags_exist_and_config_env_is_read(objs):
 
 # ---- RBAC ------------------------------------------------------------------------------------
 
-#: (apiGroup, resource, verb) → where agent/ makes that call (file, grep-able string).
-USES: dict[tuple[str, str, str], tuple[str, str]] = {
-    ("", "namespaces", "get"): ("agent/source/kube.py", "self._core.read_namespace("),
-    ("", "pods", "get"): ("agent/source/kube.py", "self._core.read_namespaced_pod("),
-    ("", "events", "create"): ("agent/source/kube.py", "self._core.create_namespaced_event("),
-    ("", "nodes", "get"): ("agent/node/readiness.py", "self.core.read_node("),
-    ("", "nodes", "patch"): ("agent/node/readiness.py", "self.core.patch_node("),
-    ("", "pods", "list"): ("agent/node/repair.py", "self.core.list_pod_for_all_namespaces"),
-    ("", "pods/eviction", "create"): ("agent/node/repair.py", "create_namespaced_pod_eviction("),
-    ("", "pods", "delete"): ("agent/node/repair.py", "self.core.delete_namespaced_pod("),
-    ("apps", "daemonsets", "get"): ("agent/install/kube.py", "read_namespaced_daemon_set("),
+Grant = tuple[str, str, str]  # (apiGroup, resource, verb)
+
+#: Every Kubernetes client method agent/ calls → (file that calls it, what it needs).
+#: test_every_api_call_in_agent_is_in_the_table finds new calls, so this cannot fall behind.
+CALLS: dict[str, tuple[str, set[Grant]]] = {
+    "read_namespaced_pod": ("agent/source/kube.py", {("", "pods", "get")}),
+    "read_namespace": ("agent/source/kube.py", {("", "namespaces", "get")}),
+    "create_namespaced_event": ("agent/source/kube.py", {("", "events", "create")}),
+    "read_node": ("agent/node/readiness.py", {("", "nodes", "get")}),
+    "patch_node": ("agent/node/readiness.py", {("", "nodes", "patch")}),
+    # listed, then streamed by kubernetes.watch.Watch (repair of this node's pods)
+    "list_pod_for_all_namespaces": ("agent/node/repair.py",
+                                    {("", "pods", "list"), ("", "pods", "watch")}),
+    "create_namespaced_pod_eviction": ("agent/node/repair.py", {("", "pods/eviction", "create")}),
+    "delete_namespaced_pod": ("agent/node/repair.py", {("", "pods", "delete")}),
+    "read_namespaced_daemon_set": ("agent/install/kube.py", {("apps", "daemonsets", "get")}),
+    "list_endpoint_slice_for_all_namespaces": ("agent/slices/writer.py",
+                                               {("discovery.k8s.io", "endpointslices", "list")}),
+    "read_namespaced_endpoint_slice": ("agent/slices/writer.py",
+                                       {("discovery.k8s.io", "endpointslices", "get")}),
+    "create_namespaced_endpoint_slice": ("agent/slices/writer.py",
+                                         {("discovery.k8s.io", "endpointslices", "create")}),
+    "replace_namespaced_endpoint_slice": ("agent/slices/writer.py",
+                                          {("discovery.k8s.io", "endpointslices", "update")}),
+    "delete_namespaced_endpoint_slice": ("agent/slices/writer.py",
+                                         {("discovery.k8s.io", "endpointslices", "delete")}),
 }
-# Plus list+watch of every kind the watcher follows (read from KIND_SPECS itself, below).
+#: Raw requests (param_serialize): only GETs of KIND_SPECS paths, i.e. list + watch.
 WATCH_EVIDENCE = ("agent/source/watch.py", '"watch": "true"')
+_VERB_PREFIXES = ("read_", "list_", "create_", "patch_", "replace_", "delete_", "connect_")
 
 
-def _watched() -> set[tuple[str, str, str]]:
+def _client_methods() -> set[str]:
+    from kubernetes import client
+
+    apis = (client.CoreV1Api, client.AppsV1Api, client.DiscoveryV1Api, client.CoordinationV1Api,
+            client.PolicyV1Api, client.EventsV1Api, client.RbacAuthorizationV1Api,
+            client.CustomObjectsApi)
+    return {n for a in apis for n in dir(a) if n.startswith(_VERB_PREFIXES)}
+
+
+def _agent_sources() -> dict[str, str]:
+    return {str(f.relative_to(ROOT)): f.read_text() for f in sorted((ROOT / "agent").rglob("*.py"))
+            if "testing" not in f.parts}
+
+
+def _watched() -> set[Grant]:
     from agent.source.watch import KIND_SPECS
 
     out = set()
@@ -269,7 +299,14 @@ def _watched() -> set[tuple[str, str, str]]:
     return out
 
 
-def _granted(objs: dict[tuple[str, str], Doc], kinds: tuple[str, ...]) -> set[tuple[str, str, str]]:
+def _used() -> set[Grant]:
+    out = _watched()
+    for _, grants in CALLS.values():
+        out |= grants
+    return out
+
+
+def _granted(objs: dict[tuple[str, str], Doc], kinds: tuple[str, ...]) -> set[Grant]:
     out = set()
     for (kind, _), d in objs.items():
         if kind not in kinds:
@@ -282,13 +319,23 @@ def _granted(objs: dict[tuple[str, str], Doc], kinds: tuple[str, ...]) -> set[tu
     return out
 
 
-def test_rbac_evidence_is_in_the_code():
-    for (file, needle) in [*USES.values(), WATCH_EVIDENCE]:
-        assert needle in (ROOT / file).read_text(), f"{needle!r} no longer in {file}: update RBAC"
+def test_every_api_call_in_agent_is_in_the_table():
+    methods = _client_methods()
+    found: dict[str, set[str]] = {}
+    for path, text in _agent_sources().items():
+        for name in set(re.findall(r"\.([a-z_]+)\b", text)) & methods:
+            found.setdefault(name, set()).add(path)
+        for method in re.findall(r"method=\"([A-Z]+)\"", text):
+            assert method == "GET", f"{path}: raw {method} request: add its RBAC and a CALLS row"
+    unknown = sorted(set(found) - set(CALLS))
+    assert unknown == [], f"agent/ calls {unknown}: grant them in deploy/rbac.yaml, add to CALLS"
+    for name, (path, _) in CALLS.items():
+        assert path in found.get(name, set()), f"{name} no longer in {path}: update CALLS and RBAC"
+    assert WATCH_EVIDENCE[1] in (ROOT / WATCH_EVIDENCE[0]).read_text()
 
 
 def test_rbac_grants_exactly_what_the_code_uses(objs):
-    expected = set(USES) | _watched()
+    expected = _used()
     granted = _granted(objs, ("ClusterRole", "Role"))
     assert sorted(granted - expected) == [], "granted but unused"
     assert sorted(expected - granted) == [], "used but not granted"
@@ -307,7 +354,9 @@ def test_rbac_scoping_and_bindings(objs):
     assert ("DaemonSet", "aether-agent") in objs
     cluster = _granted({k: v for k, v in objs.items() if k == ("ClusterRole", "aether-agent")},
                        ("ClusterRole",))
-    assert not any(v in ("delete", "deletecollection", "update") for _, _, v in cluster)
+    # the main role writes only our own kinds of object: Events, Node taints, EndpointSlices
+    assert {(g, r) for g, r, v in cluster if v not in ("get", "list", "watch")} == {
+        ("", "events"), ("", "nodes"), ("discovery.k8s.io", "endpointslices")}
     repair = _granted({k: v for k, v in objs.items() if k == ("ClusterRole", "aether-agent-repair")},
                       ("ClusterRole",))
     assert repair == {("", "pods/eviction", "create"), ("", "pods", "delete")}

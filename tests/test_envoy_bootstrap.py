@@ -8,11 +8,31 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
 
 from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
-from agent.envoy.resources import CLUSTER_TYPE, LISTENER_TYPE, NodeXdsState, PodListener
+from agent.envoy.resources import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    NodeXdsState,
+    PodListener,
+)
 from agent.envoy.resources import build_resources as build
 from agent.envoy.supervisor import find_envoy_binary
+from agent.scope.model import Endpoint, ServiceView
+from agent.scope.services import ServicePort
+
+MESH_VIEWS = (
+    ServiceView(key="mesh/web", namespace="mesh", name="web",
+                cluster_ips=("10.96.77.10", "fd00:96::a"),
+                ports=(ServicePort(80, "http", target_port=8080), ServicePort(443, "https")),
+                names=("web.mesh.svc.cluster.local",),
+                endpoints={80: (Endpoint("10.1.0.5", 8080, "mesh/sa", True, False, "spiffe://x"),
+                                Endpoint("fd00:1::5", 8080, "mesh/sa", True, True))}),
+    ServiceView(key="mesh/db", namespace="mesh", name="db", cluster_ips=("10.96.77.11",),
+                ports=(ServicePort(5432),), names=()),
+)
 
 
 def test_shape_delta_default() -> None:
@@ -65,9 +85,12 @@ def _envoy() -> str:
 
 @pytest.mark.parametrize("delta", [True, False])
 def test_envoy_validates_bootstrap_with_built_resources(tmp_path: Path, delta: bool) -> None:
-    """``envoy --mode validate`` accepts bootstrap + listeners + passthrough cluster."""
+    """``envoy --mode validate`` accepts bootstrap + listeners (Service chains, gRPC access
+    log) + passthrough and EDS-over-ADS Service clusters."""
     res = build(NodeXdsState(pods=(PodListener("a", "/var/run/netns/a"),
-                                   PodListener("b", "/var/run/netns/b", ipv6=False))))
+                                   PodListener("b", "/var/run/netns/b", ipv6=False)),
+                             services=MESH_VIEWS))
+    assert len(res[LISTENER_TYPE]["capture-a"].filter_chains) == 3
     b = build_bootstrap("n", str(tmp_path / "xds.sock"), 15000, delta=delta,
                         static_listeners=res[LISTENER_TYPE].values(),
                         static_clusters=res[CLUSTER_TYPE].values())
@@ -82,3 +105,24 @@ def test_envoy_validates_bootstrap_with_built_resources(tmp_path: Path, delta: b
 def test_find_binary_on_path() -> None:
     if shutil.which("envoy"):
         assert find_envoy_binary() == shutil.which("envoy")
+
+
+def test_envoy_validates_endpoints_as_static_load_assignment(tmp_path: Path) -> None:
+    """The EDS payload itself: each ClusterLoadAssignment (health, metadata) embedded as
+    the ``load_assignment`` of a STATIC cluster, which Envoy validates like EDS input."""
+    res = build(NodeXdsState(pods=(), services=MESH_VIEWS))
+    statics = []
+    for name, cla in res[ENDPOINT_TYPE].items():
+        c = cluster_pb2.Cluster()
+        c.CopyFrom(res[CLUSTER_TYPE][name])
+        c.ClearField("eds_cluster_config")
+        c.type = cluster_pb2.Cluster.STATIC
+        c.load_assignment.CopyFrom(cla)
+        statics.append(c)
+    b = build_bootstrap("n", str(tmp_path / "xds.sock"), 15000, static_clusters=statics,
+                        dynamic=False)
+    p = tmp_path / "b.json"
+    write_bootstrap(str(p), b)
+    out = subprocess.run([_envoy(), "--mode", "validate", "-c", str(p), "-l", "warn"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 
 from agent.envoy.resources import (
     CLUSTER_TYPE,
+    ENDPOINT_TYPE,
     LISTENER_TYPE,
     SO_MARK,
     SOL_SOCKET,
     NodeXdsState,
     PodListener,
+    ResourceBuilder,
     build_resources,
+    parse_service_cluster_name,
     resource_hash,
+    service_cluster_name,
 )
+from agent.scope.model import Endpoint, ServiceView
+from agent.scope.services import ServicePort
 
 
 def _state(*pods: PodListener) -> NodeXdsState:
@@ -97,3 +109,170 @@ def test_hash_changes_with_content() -> None:
     a = build_resources(_state(PodListener("u", "/n/a")))[LISTENER_TYPE]["capture-u"]
     b = build_resources(_state(PodListener("u", "/n/b")))[LISTENER_TYPE]["capture-u"]
     assert resource_hash(a) != resource_hash(b)
+
+
+# ---- Services: chains, EDS clusters, endpoints ---------------------------------------------
+
+SA = "mesh/web-sa"
+SAN = "spiffe://cluster.local/ns/mesh/sa/web-sa"
+
+
+def _ep(ip: str, port: int = 8080, ready: bool = True, draining: bool = False) -> Endpoint:
+    return Endpoint(ip, port, SA, ready, draining, SAN, "mesh/web-0")
+
+
+def _view(name: str = "web", ips: tuple[str, ...] = ("10.96.0.10", "fd00:96::a"),
+          ports: tuple[ServicePort, ...] = (ServicePort(80, "http", target_port=8080),),
+          eps: dict[int, tuple[Endpoint, ...]] | None = None) -> ServiceView:
+    return ServiceView(key=f"mesh/{name}", namespace="mesh", name=name, cluster_ips=ips,
+                       ports=ports, names=(f"{name}.mesh.svc.cluster.local",),
+                       endpoints=eps if eps is not None else {80: (_ep("10.1.0.5"),)})
+
+
+def _svc_state(*views: ServiceView, pods: tuple[PodListener, ...] = (PodListener("p", "/n"),)
+               ) -> NodeXdsState:
+    return NodeXdsState(pods=pods, services=views)
+
+
+def _chains(lis: listener_pb2.Listener) -> dict[str, list[tuple[str, int, int]]]:
+    return {c.name: [(r.address_prefix, r.prefix_len.value, c.filter_chain_match
+                      .destination_port.value) for r in c.filter_chain_match.prefix_ranges]
+            for c in lis.filter_chains}
+
+
+def test_naming_roundtrip() -> None:
+    assert service_cluster_name("ns", "web", 80) == "svc|ns|web|80"
+    assert parse_service_cluster_name("svc|ns|web|80") == ("ns", "web", 80)
+    assert parse_service_cluster_name("passthrough") is None
+    assert parse_service_cluster_name("svc|ns|web|http") is None
+
+
+def test_chain_per_service_port_dual_stack_to_eds_cluster() -> None:
+    ports = (ServicePort(80, "http", target_port=8080), ServicePort(443, "https"),
+             ServicePort(53, "dns", protocol="UDP"))
+    res = build_resources(_svc_state(_view(ports=ports)))
+    lis = res[LISTENER_TYPE]["capture-p"]
+    assert _chains(lis) == {
+        "svc|mesh|web|80": [("10.96.0.10", 32, 80), ("fd00:96::a", 128, 80)],
+        "svc|mesh|web|443": [("10.96.0.10", 32, 443), ("fd00:96::a", 128, 443)],
+    }
+    chain = lis.filter_chains[0]
+    tcp = tcp_proxy_pb2.TcpProxy()
+    assert chain.filters[0].typed_config.Unpack(tcp)
+    assert tcp.cluster == chain.name
+    # the passthrough default chain is unchanged and still there
+    assert lis.default_filter_chain.name == "passthrough"
+    assert [f.name for f in lis.listener_filters] == ["envoy.filters.listener.original_dst"]
+    assert sorted(res[CLUSTER_TYPE]) == ["passthrough", "svc|mesh|web|443", "svc|mesh|web|80"]
+    assert sorted(res[ENDPOINT_TYPE]) == ["svc|mesh|web|443", "svc|mesh|web|80"]
+    c = res[CLUSTER_TYPE]["svc|mesh|web|80"]
+    assert c.type == cluster_pb2.Cluster.EDS
+    assert c.eds_cluster_config.service_name == "svc|mesh|web|80"
+    assert c.eds_cluster_config.eds_config.HasField("ads")
+    assert c.common_lb_config.healthy_panic_threshold.value == 0.0
+    assert res[ENDPOINT_TYPE]["svc|mesh|web|443"].endpoints == []  # no endpoints for 443
+
+
+def test_pod_ips_are_not_matched_and_headless_has_no_chain() -> None:
+    eps = {80: (_ep("10.1.0.5"), _ep("fd00:1::5"))}
+    res = build_resources(_svc_state(_view(eps=eps), _view("db", ips=(), eps=eps)))
+    lis = res[LISTENER_TYPE]["capture-p"]
+    prefixes = {p for rows in _chains(lis).values() for p, _, _ in rows}
+    assert prefixes == {"10.96.0.10", "fd00:96::a"}
+    assert "svc|mesh|db|80" not in _chains(lis)
+    assert "svc|mesh|db|80" in res[CLUSTER_TYPE] and "svc|mesh|db|80" in res[ENDPOINT_TYPE]
+
+
+def test_clashing_cluster_ip_keeps_first_service_only() -> None:
+    res = build_resources(_svc_state(_view("a"), _view("b")))
+    assert list(_chains(res[LISTENER_TYPE]["capture-p"])) == ["svc|mesh|a|80"]
+
+
+@pytest.mark.parametrize(("ready", "draining", "want"), [
+    (True, False, "HEALTHY"), (False, False, "UNHEALTHY"),
+    (True, True, "DRAINING"), (False, True, "DRAINING")])
+def test_health_mapping(ready: bool, draining: bool, want: str) -> None:
+    eps = {80: (_ep("10.1.0.5", ready=ready, draining=draining),)}
+    cla = build_resources(_svc_state(_view(eps=eps)))[ENDPOINT_TYPE]["svc|mesh|web|80"]
+    (lb,) = cla.endpoints[0].lb_endpoints
+    assert health_check_pb2.HealthStatus.Name(lb.health_status) == want
+
+
+def test_endpoint_address_and_identity_metadata_sorted_unique() -> None:
+    eps = {80: (_ep("10.1.0.9", 9090), _ep("10.1.0.5"), _ep("10.1.0.5"), _ep("fd00:1::5"))}
+    cla = build_resources(_svc_state(_view(eps=eps)))[ENDPOINT_TYPE]["svc|mesh|web|80"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    assert cla.cluster_name == "svc|mesh|web|80"
+    lbs = cla.endpoints[0].lb_endpoints
+    assert [(lb.endpoint.address.socket_address.address,
+             lb.endpoint.address.socket_address.port_value) for lb in lbs] == [
+        ("10.1.0.5", 8080), ("10.1.0.9", 9090), ("fd00:1::5", 8080)]
+    md = dict(lbs[0].metadata.filter_metadata["aether"])
+    assert md == {"identity": SA, "san": SAN, "pod": "mesh/web-0"}
+
+
+def _hashes(res: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {t: {n: resource_hash(m) for n, m in r.items()} for t, r in res.items()}
+
+
+@pytest.mark.parametrize("shared_builder", [True, False])
+def test_endpoint_change_alters_only_its_eds_resource(shared_builder: bool) -> None:
+    b = ResourceBuilder()
+    other = _view("db", ips=("10.96.0.20",))
+    a = _hashes(build_resources(_svc_state(_view(), other), b if shared_builder else None))
+    moved = _view(eps={80: (_ep("10.1.0.5", draining=True), _ep("10.1.0.6"))})
+    z = _hashes(build_resources(_svc_state(moved, other), b if shared_builder else None))
+    diff = {(t, n) for t in a for n in set(a[t]) | set(z[t]) if a[t].get(n) != z[t].get(n)}
+    assert diff == {(ENDPOINT_TYPE, "svc|mesh|web|80")}
+
+
+def test_service_add_touches_clusters_eds_and_listeners_only_for_it() -> None:
+    b = ResourceBuilder()
+    a = _hashes(build_resources(_svc_state(_view()), b))
+    z = _hashes(build_resources(_svc_state(_view(), _view("db", ips=("10.96.0.20",))), b))
+    diff = {(t, n) for t in a for n in set(a[t]) | set(z[t]) if a[t].get(n) != z[t].get(n)}
+    assert diff == {(CLUSTER_TYPE, "svc|mesh|db|80"), (ENDPOINT_TYPE, "svc|mesh|db|80"),
+                    (LISTENER_TYPE, "capture-p")}
+
+
+def test_builder_reuses_protos_and_shares_chains_across_pods() -> None:
+    b = ResourceBuilder()
+    pods = (PodListener("p1", "/n/1"), PodListener("p2", "/n/2", ipv6=False))
+    view = _view()
+    r1 = b.build(_svc_state(view, pods=pods))
+    l1, l2 = r1[LISTENER_TYPE]["capture-p1"], r1[LISTENER_TYPE]["capture-p2"]
+    assert [c.SerializeToString(deterministic=True) for c in l1.filter_chains] == [
+        c.SerializeToString(deterministic=True) for c in l2.filter_chains]
+    # identical inputs: identical objects (the xDS server memoises hashes by identity)
+    r2 = b.build(_svc_state(view, pods=pods))
+    for t in r1:
+        for n in r1[t]:
+            assert r2[t][n] is r1[t][n]
+    # endpoints only: listeners and clusters are the same objects, only the CLA is new
+    view2 = _view(eps={80: (_ep("10.1.0.7"),)})
+    r3 = b.build(_svc_state(view2, pods=pods))
+    assert r3[LISTENER_TYPE]["capture-p1"] is l1
+    assert r3[CLUSTER_TYPE]["svc|mesh|web|80"] is r1[CLUSTER_TYPE]["svc|mesh|web|80"]
+    assert r3[ENDPOINT_TYPE]["svc|mesh|web|80"] is not r1[ENDPOINT_TYPE]["svc|mesh|web|80"]
+    # a removed Service leaves everything
+    r4 = b.build(_svc_state(pods=pods))
+    assert list(r4[CLUSTER_TYPE]) == ["passthrough"] and r4[ENDPOINT_TYPE] == {}
+    assert len(r4[LISTENER_TYPE]["capture-p1"].filter_chains) == 0
+
+
+def test_passthrough_grpc_access_log_config() -> None:
+    lis = build_resources(_svc_state())[LISTENER_TYPE]["capture-p"]
+    tcp = tcp_proxy_pb2.TcpProxy()
+    assert lis.default_filter_chain.filters[0].typed_config.Unpack(tcp)
+    cfg = als_pb2.TcpGrpcAccessLogConfig()
+    assert tcp.access_log[1].typed_config.Unpack(cfg)
+    cc = cfg.common_config
+    assert cc.log_name == "aether-passthrough"
+    assert cc.grpc_service.envoy_grpc.cluster_name == "xds"
+    assert cc.transport_api_version == 2  # V3
+    assert [(t.tag, t.value) for t in cc.custom_tags] == [("listener", "%LISTENER_NAME%")]
+    off = NodeXdsState(pods=(PodListener("p", "/n"),), learn_access_log=False)
+    tcp2 = tcp_proxy_pb2.TcpProxy()
+    assert build_resources(off)[LISTENER_TYPE]["capture-p"].default_filter_chain.filters[
+        0].typed_config.Unpack(tcp2)
+    assert [a.name for a in tcp2.access_log] == ["envoy.access_loggers.stdout"]

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from agent.envoy.resources import CLUSTER_TYPE, LISTENER_TYPE, NodeXdsState, PodListener
+from agent.envoy.als import parse_message
+from agent.envoy.resources import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    NodeXdsState,
+    PodListener,
+)
 from agent.envoy.xds import XdsServer
+from agent.scope.model import Endpoint, ServiceView
+from agent.scope.services import ServicePort
 
 TIMEOUT = 5.0
 
@@ -69,8 +82,10 @@ def server(tmp_path: Path) -> Iterator[XdsServer]:
     s.stop(0.1)
 
 
-def _sotw_req(t: str, version: str = "", nonce: str = "", err: str | None = None) -> Any:
-    r = discovery_pb2.DiscoveryRequest(type_url=t, version_info=version, response_nonce=nonce)
+def _sotw_req(t: str, version: str = "", nonce: str = "", err: str | None = None,
+              names: tuple[str, ...] = ()) -> Any:
+    r = discovery_pb2.DiscoveryRequest(type_url=t, version_info=version, response_nonce=nonce,
+                                       resource_names=names)
     r.node.id = "test-node"
     if err is not None:
         r.error_detail.CopyFrom(status_pb2.Status(code=3, message=err))
@@ -78,9 +93,12 @@ def _sotw_req(t: str, version: str = "", nonce: str = "", err: str | None = None
 
 
 def _delta_req(t: str, nonce: str = "", err: str | None = None,
-               initial: dict[str, str] | None = None) -> Any:
+               initial: dict[str, str] | None = None, sub: tuple[str, ...] = (),
+               unsub: tuple[str, ...] = ()) -> Any:
     r = discovery_pb2.DeltaDiscoveryRequest(type_url=t, response_nonce=nonce,
-                                            initial_resource_versions=initial or {})
+                                            initial_resource_versions=initial or {},
+                                            resource_names_subscribe=sub,
+                                            resource_names_unsubscribe=unsub)
     r.node.id = "test-node"
     if err is not None:
         r.error_detail.CopyFrom(status_pb2.Status(code=3, message=err))
@@ -248,4 +266,206 @@ def test_stale_socket_from_crashed_agent_is_replaced(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="in use"):
             XdsServer(path).start()
     finally:
+        s.stop(0.1)
+
+
+# ---- EDS -------------------------------------------------------------------------------
+
+WEB, DB = "svc|mesh|web|80", "svc|mesh|db|80"
+
+
+def _view(name: str, cip: str, *ips: str, draining: bool = False) -> ServiceView:
+    eps = tuple(Endpoint(ip, 8080, "mesh/sa", True, draining) for ip in ips)
+    return ServiceView(key=f"mesh/{name}", namespace="mesh", name=name, cluster_ips=(cip,),
+                       ports=(ServicePort(80),), names=(), endpoints={80: eps})
+
+
+def _mesh(web: tuple[str, ...] = ("10.1.0.1",), db: bool = True, draining: bool = False
+          ) -> NodeXdsState:
+    views = [_view("web", "10.96.0.1", *web, draining=draining)]
+    if db:
+        views.append(_view("db", "10.96.0.2", "10.1.0.9"))
+    return NodeXdsState(pods=(PodListener("a", "/var/run/netns/a"),), services=tuple(views))
+
+
+def _until(pred: Any, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _cla_names(resp: Any) -> list[str]:
+    out = []
+    for r in resp.resources:
+        cla = endpoint_pb2.ClusterLoadAssignment()
+        assert (r.resource if hasattr(r, "resource") else r).Unpack(cla)
+        out.append(cla.cluster_name)
+    return out
+
+
+def _cla_ips(resp: Any) -> list[str]:
+    cla = endpoint_pb2.ClusterLoadAssignment()
+    r = resp.resources[0]
+    assert (r.resource if hasattr(r, "resource") else r).Unpack(cla)
+    return [lb.endpoint.address.socket_address.address for lb in cla.endpoints[0].lb_endpoints]
+
+
+def test_delta_eds_by_name_endpoint_change_pushes_only_eds(server: XdsServer) -> None:
+    server.set_state(_mesh())
+    c = Client(server.socket_path, delta=True)
+    try:
+        c.send(_delta_req(CLUSTER_TYPE))
+        cds = c.recv()
+        assert sorted(r.name for r in cds.resources) == ["passthrough", DB, WEB]
+        c.send(_delta_req(CLUSTER_TYPE, cds.nonce))
+        c.send(_delta_req(ENDPOINT_TYPE, sub=(WEB,)))
+        eds = c.recv()
+        assert eds.type_url == ENDPOINT_TYPE and _cla_names(eds) == [WEB]  # only what was asked
+        c.send(_delta_req(ENDPOINT_TYPE, eds.nonce))
+        # a later subscription (ack-less, as Envoy sends it) adds just that name
+        c.send(_delta_req(ENDPOINT_TYPE, sub=(DB,)))
+        eds2 = c.recv()
+        assert _cla_names(eds2) == [DB]
+        c.send(_delta_req(ENDPOINT_TYPE, eds2.nonce))
+        c.send(_delta_req(LISTENER_TYPE))
+        lds = c.recv()
+        c.send(_delta_req(LISTENER_TYPE, lds.nonce))
+
+        v = server.set_state(_mesh(web=("10.1.0.1", "10.1.0.2")))
+        upd = c.recv()
+        assert upd.type_url == ENDPOINT_TYPE and _cla_names(upd) == [WEB]
+        assert _cla_ips(upd) == ["10.1.0.1", "10.1.0.2"]
+        with pytest.raises(queue.Empty):
+            c.recv(0.3)  # no CDS, no LDS
+        assert not server.wait_acked(v, 0.2)  # EDS counts for wait_acked
+        c.send(_delta_req(ENDPOINT_TYPE, upd.nonce))
+        assert server.wait_acked(v, TIMEOUT)
+
+        # unsubscribed names are no longer pushed; the change still counts as in sync
+        c.send(_delta_req(ENDPOINT_TYPE, unsub=(DB,)))
+        assert _until(lambda: server.status()["streams"][0]["named"][ENDPOINT_TYPE] == 1)
+        v = server.set_state(_mesh(web=("10.1.0.1", "10.1.0.2"), db=False))
+        cds2 = c.recv()
+        assert cds2.type_url == CLUSTER_TYPE and list(cds2.removed_resources) == [DB]
+        c.send(_delta_req(CLUSTER_TYPE, cds2.nonce))
+        lds2 = c.recv()
+        assert lds2.type_url == LISTENER_TYPE
+        c.send(_delta_req(LISTENER_TYPE, lds2.nonce))
+        assert server.wait_acked(v, TIMEOUT)
+    finally:
+        c.close()
+
+
+def test_sotw_eds_named_and_resubscription(server: XdsServer) -> None:
+    server.set_state(_mesh())
+    c = Client(server.socket_path, delta=False)
+    try:
+        for t in (CLUSTER_TYPE, LISTENER_TYPE):
+            c.send(_sotw_req(t))
+            r = c.recv()
+            c.send(_sotw_req(t, r.version_info, r.nonce))
+        c.send(_sotw_req(ENDPOINT_TYPE, names=(WEB,)))
+        eds = c.recv()
+        assert _cla_names(eds) == [WEB]
+        # ACK carrying a bigger name set: answered with both
+        c.send(_sotw_req(ENDPOINT_TYPE, eds.version_info, eds.nonce, names=(WEB, DB)))
+        eds2 = c.recv()
+        assert sorted(_cla_names(eds2)) == [DB, WEB]
+        c.send(_sotw_req(ENDPOINT_TYPE, eds2.version_info, eds2.nonce, names=(WEB, DB)))
+
+        v = server.set_state(_mesh(draining=True))
+        upd = c.recv()
+        assert upd.type_url == ENDPOINT_TYPE and sorted(_cla_names(upd)) == [DB, WEB]
+        with pytest.raises(queue.Empty):
+            c.recv(0.3)
+        c.send(_sotw_req(ENDPOINT_TYPE, upd.version_info, upd.nonce, names=(WEB, DB)))
+        assert server.wait_acked(v, TIMEOUT)
+        # unchanged state: nothing re-sent, still acked
+        v2 = server.set_state(_mesh(draining=True))
+        with pytest.raises(queue.Empty):
+            c.recv(0.3)
+        assert server.wait_acked(v2, TIMEOUT)
+    finally:
+        c.close()
+
+
+def test_no_services_needs_no_eds_ack(server: XdsServer) -> None:
+    server.set_state(_mesh())
+    v2 = server.set_state(_state("a"))
+    c = Client(server.socket_path, delta=True)
+    try:
+        for t in (CLUSTER_TYPE, LISTENER_TYPE):
+            c.send(_delta_req(t))
+            r = c.recv()
+            c.send(_delta_req(t, r.nonce))
+        assert server.wait_acked(v2, TIMEOUT)  # EDS went empty: nothing to hold
+    finally:
+        c.close()
+
+
+# ---- ALS -------------------------------------------------------------------------------
+
+def _tcp_entry(dst: str, port: int, listener: str = "capture-a") -> Any:
+    e = accesslog_pb2.TCPAccessLogEntry()
+    cp = e.common_properties
+    cp.downstream_local_address.socket_address.address = dst
+    cp.downstream_local_address.socket_address.port_value = port
+    cp.downstream_remote_address.socket_address.address = "10.1.0.1"
+    if listener:
+        cp.custom_tags["listener"] = listener
+    return e
+
+
+def test_parse_message_skips_non_ip() -> None:
+    m = als_pb2.StreamAccessLogsMessage()
+    m.tcp_logs.log_entry.extend([_tcp_entry("10.96.0.1", 80), _tcp_entry("", 0),
+                                 _tcp_entry("fd00::1", 443, listener="")])
+    got = [(e.listener_name, e.dst_ip, e.dst_port, e.src_ip) for e in parse_message(m)]
+    assert got == [("capture-a", "10.96.0.1", 80, "10.1.0.1"), ("", "fd00::1", 443, "10.1.0.1")]
+
+
+def test_als_stream_calls_back(tmp_path: Path) -> None:
+    seen: queue.Queue[tuple[str, str, int]] = queue.Queue()
+    s = XdsServer(str(tmp_path / "xds.sock"), on_access=lambda *a: seen.put(a))
+    s.start()
+    chan = grpc.insecure_channel("unix:" + s.socket_path)
+    try:
+        def msgs() -> Iterator[Any]:
+            first = als_pb2.StreamAccessLogsMessage()
+            first.identifier.log_name = "aether-passthrough"
+            first.identifier.node.id = "n"
+            first.tcp_logs.log_entry.append(_tcp_entry("10.96.0.1", 80))
+            yield first
+            nxt = als_pb2.StreamAccessLogsMessage()
+            nxt.tcp_logs.log_entry.append(_tcp_entry("fd00:96::a", 8443, "capture-b"))
+            yield nxt
+
+        stub = als_pb2_grpc.AccessLogServiceStub(chan)
+        stub.StreamAccessLogs(msgs(), timeout=TIMEOUT)
+        assert seen.get(timeout=TIMEOUT) == ("capture-a", "10.96.0.1", 80)
+        assert seen.get(timeout=TIMEOUT) == ("capture-b", "fd00:96::a", 8443)
+
+        # another log name is not ours; a failing callback does not break the stream
+        def boom(*_: Any) -> None:
+            raise RuntimeError("x")
+
+        s.set_access_callback(boom)
+
+        def other() -> Iterator[Any]:
+            m = als_pb2.StreamAccessLogsMessage()
+            m.identifier.log_name = "someone-else"
+            m.tcp_logs.log_entry.append(_tcp_entry("10.96.0.9", 80))
+            yield m
+            m2 = als_pb2.StreamAccessLogsMessage()
+            m2.identifier.log_name = "aether-passthrough"
+            m2.tcp_logs.log_entry.append(_tcp_entry("10.96.0.9", 81))
+            yield m2
+
+        stub.StreamAccessLogs(other(), timeout=TIMEOUT)
+        assert s.als.entries == 3
+    finally:
+        chan.close()
         s.stop(0.1)

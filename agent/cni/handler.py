@@ -93,6 +93,7 @@ class CniHandler:
         # registration hooks for the mesh model (the CNI is a registration source)
         self.on_captured: Callable[[CapturedPod, dict[str, str], dict[str, str]], None] | None = None
         self.on_released: Callable[[CapturedPod], None] | None = None
+        self.metrics: Any = None  # agent.metrics.Metrics when the metrics server runs
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
 
@@ -121,15 +122,18 @@ class CniHandler:
         """One request from the shim → one answer; never raises."""
         started = time.monotonic()
         command = request.get("command") if isinstance(request, dict) else None
+        outcome = "failed"
         try:
             req = self._validate(request)
             with self._pod_lock(req["container_id"]):
                 if req["command"] == "ADD":
-                    self._add(req)
+                    outcome = "ok" if self._add(req) else "skipped"
                 elif req["command"] == "DEL":
                     self._del(req)
+                    outcome = "ok"
                 else:
                     self._check(req)
+                    outcome = "ok"
             return {"ok": True}
         except CniFailure as e:
             if command == "ADD":
@@ -146,7 +150,10 @@ class CniHandler:
             return {"ok": False, "code": p.ERR_CAPTURE_FAILED,
                     "msg": f"aether agent internal error on {command}", "details": repr(e)}
         finally:
-            log.debug("CNI %s took %.1f ms", command, (time.monotonic() - started) * 1000)
+            took = time.monotonic() - started
+            log.debug("CNI %s took %.1f ms", command, took * 1000)
+            if self.metrics is not None:
+                self.metrics.observe_cni(command, took, outcome)
 
     # -- validation ----------------------------------------------------------------------
     def _validate(self, request: Any) -> dict[str, Any]:
@@ -208,20 +215,21 @@ class CniHandler:
             pod = replace(pod, uid=args.get("K8S_POD_UID", ""))
         return pod, namespace
 
-    def _add(self, req: dict[str, Any]) -> None:
+    def _add(self, req: dict[str, Any]) -> bool:
+        """True when the pod is now captured, False when it is not to be captured."""
         cid, kubelet_netns = req["container_id"], req["netns"]
         looked = self._lookup(req["args"])
         if looked is None:
             self.counters.add_skipped += 1
             log.info("ADD %s: no K8S_POD_NAMESPACE/K8S_POD_NAME, not a pod: not captured", cid)
-            return
+            return False
         pod, namespace = looked
         decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
         fields = {"pod": pod.name, "namespace": pod.namespace, "container_id": cid}
         if not decision.captured or decision.policy is None:
             self.counters.add_skipped += 1
             log.info("ADD %s: not captured: %s", pod.key, decision.reason, extra=fields)
-            return
+            return False
         if decision.problems:
             self._report_problems(pod, decision)
         try:
@@ -263,6 +271,7 @@ class CniHandler:
             problems=list(decision.problems),
             pinned=pinned,
             captured_at=time.time(),
+            net_admin=pod.net_admin,
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         self.store.put(record)
@@ -284,6 +293,7 @@ class CniHandler:
                 log.exception("registering %s in the mesh model failed", pod.key)
         log.info("ADD %s captured (%s, %s)", pod.key, decision.policy.mode, decision.reason,
                  extra=fields)
+        return True
 
     def _report_problems(self, pod: PodMeta, decision: CaptureDecision) -> None:
         self.counters.annotation_errors += len(decision.problems)

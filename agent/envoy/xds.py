@@ -250,6 +250,8 @@ class XdsServer:
                         "node": st.node_id,
                         "peer": st.peer,
                         "subscribed": sorted(st.subscribed),
+                        # named subscriptions (EDS): how many names, not the names
+                        "named": {t: len(n) for t, n in st.names.items()},
                         "acked": {t: str(v) for t, v in st.acked.items()},
                     }
                     for st in self._streams.values()

@@ -52,6 +52,7 @@ def install(
         help="netconf agent_socket: the agent's CNI socket.")] = "/var/run/aether/cni.sock",
     capture_redirect_all_default: Annotated[bool, typer.Option(
         "--capture-redirect-all-default/--no-capture-redirect-all-default",
+        envvar="CAPTURE_REDIRECT_ALL_DEFAULT",
         help="netconf capture_redirect_all_default (chart: captureRedirectAllDefault).")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",

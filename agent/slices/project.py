@@ -157,9 +157,9 @@ def service_slices(node_name: str, svc: JSON, pods: Sequence[LocalPod]) -> dict[
     labels = {SERVICE_NAME_LABEL: name, MANAGED_BY_LABEL: MANAGED_BY,
               NODE_LABEL: node_label_value(node_name)}
     owners = []
-    if meta.get("uid"):
+    if meta.get("uid"):  # no blockOwnerDeletion: it would need update on services/finalizers
         owners = [{"apiVersion": "v1", "kind": "Service", "name": name, "uid": str(meta["uid"]),
-                   "controller": True, "blockOwnerDeletion": True}]
+                   "controller": True}]
     # pods that disagree on a named targetPort's number go to separate slices, as Kubernetes does
     groups: dict[tuple[str, tuple[tuple[int, int], ...]], list[JSON]] = {}
     for pod in pods:

@@ -220,6 +220,7 @@ class SliceProjector:
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._synced: Callable[[float], bool] | None = None
         self.passes = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -247,7 +248,10 @@ class SliceProjector:
         proj.skipped = skipped
         return proj
 
-    def start(self) -> None:
+    def start(self, synced: Callable[[float], bool] | None = None) -> None:
+        """Start the loop; the first pass waits for ``synced`` (the source's initial LIST):
+        a half-filled store would look like endpoints vanished and delete live slices."""
+        self._synced = synced
         self._dirty.set()  # first pass: adopt and converge
         self._thread = threading.Thread(target=self._run, name="slice-projector", daemon=True)
         self._thread.start()
@@ -256,6 +260,9 @@ class SliceProjector:
         self._dirty.set()
 
     def _run(self) -> None:
+        while self._synced is not None and not self._synced(1.0):
+            if self._stop.is_set():
+                return
         next_resync = time.monotonic() + self.resync_s
         while not self._stop.is_set():
             fired = self._dirty.wait(timeout=max(0.0, next_resync - time.monotonic()))

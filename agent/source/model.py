@@ -20,6 +20,7 @@ class PodMeta:
     service_account: str = "default"
     node_name: str = ""
     host_network: bool = False
+    net_admin: bool = False  # a container can set SO_MARK: it could forge the passthrough mark
 
     @property
     def key(self) -> str:
@@ -54,7 +55,21 @@ def pod_from_object(obj: dict[str, Any]) -> PodMeta:
         ),
         node_name=str(spec.get("nodeName") or ""),
         host_network=bool(spec.get("hostNetwork") or False),
+        net_admin=_holds_net_admin(spec),
     )
+
+
+def _holds_net_admin(spec: dict[str, Any]) -> bool:
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        if not isinstance(c, dict):
+            continue
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            return True
+        caps = (sc.get("capabilities") or {}).get("add") or []
+        if any(str(x).upper() in ("NET_ADMIN", "CAP_NET_ADMIN", "ALL") for x in caps):
+            return True
+    return False
 
 
 def namespace_from_object(obj: dict[str, Any]) -> NamespaceMeta:
