@@ -66,6 +66,7 @@ class Agent:
         self.readiness: Any = None
         self.metrics: Any = None
         self.metrics_server: Any = None
+        self.slices: Any = None
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -129,6 +130,14 @@ class Agent:
             set_learner(self.mesh.learned)
         sink = self.sink if callable(getattr(self.sink, "set_services", None)) else None
         self.mesh.start(watcher, sink)  # type: ignore[arg-type]
+        if o.kube:
+            from agent.install.kube import api_client
+            from agent.slices.writer import SliceProjector, SliceWriter
+            self.slices = SliceProjector.for_mesh(
+                self.mesh.objects, self.mesh.model,
+                SliceWriter(api_client(o.kubeconfig), self.node.node_name))
+            self.mesh.projector = self.slices
+            self.slices.start(synced=watcher.wait_synced if watcher is not None else None)
 
     def readiness_checks(self) -> dict[str, bool]:
         """What /readyz and the node taint wait for: plugin installed, socket served, Envoy."""
@@ -199,11 +208,14 @@ class Agent:
     def stop(self) -> None:
         if self.repair is not None:
             self.repair.stop()
-        if self.readiness is not None:
+        if self.readiness is not None or self.slices is not None:
             from agent.node.readiness import shutting_down_for_good
             o = self.options
-            self.readiness.stop(for_good=shutting_down_for_good(
-                o.kubeconfig, o.daemonset_namespace, o.daemonset_name))
+            for_good = shutting_down_for_good(o.kubeconfig, o.daemonset_namespace, o.daemonset_name)
+            if self.readiness is not None:
+                self.readiness.stop(for_good=for_good)
+            if self.slices is not None:
+                self.slices.stop(node_leaving=for_good)
         if self.mesh is not None:
             self.mesh.stop()
         if self.metrics_server is not None:
@@ -297,6 +309,8 @@ class Agent:
             out["capture_missing"] = self.repair.status()
         if self.readiness is not None:
             out["readiness"] = self.readiness.status()
+        if self.slices is not None:
+            out["endpoint_slices"] = self.slices.status()
         extra = getattr(self.sink, "status", None)
         if callable(extra):
             out["envoy"] = extra()

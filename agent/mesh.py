@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from agent.config import NodeConfig
 from agent.scope.model import MeshModel, ServiceView
+from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
 from agent.state import CapturedPod
@@ -52,6 +53,7 @@ class MeshRuntime:
         self.last_push_s = 0.0
         self.learned_total = 0
         self._unsubscribe: Callable[[], None] | None = None
+        self.projector: Any = None  # SliceProjector when EndpointSlice projection is on
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, watcher: Watcher | None, sink: ServiceSink | None,
@@ -76,10 +78,17 @@ class MeshRuntime:
             self._unsubscribe()
 
     # -- inputs ----------------------------------------------------------------------------
+    def _changed(self) -> None:
+        self._dirty.set()
+        if self.projector is not None:
+            self.projector.mark_dirty()
+
     def _on_event(self, event: WatchEvent) -> None:
+        if event.kind == "EndpointSlice" and is_projected(event.obj):
+            return  # our own projection: output only, never registry input (feedback loop)
         try:
             if self.model.apply(event):
-                self._dirty.set()
+                self._changed()
         except Exception:  # a malformed object must never take the agent down
             log.exception("mesh model rejected %s %s", event.type, event.kind)
 
@@ -89,11 +98,11 @@ class MeshRuntime:
                                             pod.service_account, pod.ips, labels=labels,
                                             annotations=annotations, ready=True)
         if changed:
-            self._dirty.set()
+            self._changed()
 
     def pod_released(self, pod: CapturedPod) -> None:
         if self.model.unregister_local(pod.namespace, pod.name):
-            self._dirty.set()
+            self._changed()
 
     def learned(self, dst_ip: str, dst_port: int) -> None:
         """The passthrough saw a pod dial dst: an in-mesh Service joins the set (TTL)."""
