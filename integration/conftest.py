@@ -25,10 +25,12 @@ from agent.testing.kubelet import Kubelet, Pod
 
 assert os.geteuid() == 0, "integration tests need root (real netns, nftables, Envoy)"
 
-SUBNET4 = "10.213.0.0/24"
-SUBNET6 = "fd00:a3e1::/64"
-GW4 = "10.213.0.1"
-GW6 = "fd00:a3e1::1"
+# one /24 per test process, so concurrent runs (a developer's and CI's) never share a gateway
+_NET = os.getpid() % 250
+SUBNET4 = f"10.213.{_NET}.0/24"
+SUBNET6 = f"fd00:a3e1:{_NET:x}::/64"
+GW4 = f"10.213.{_NET}.1"
+GW6 = f"fd00:a3e1:{_NET:x}::1"
 
 
 class AgentProc:
