@@ -149,6 +149,16 @@ def status(
 
 
 @app.command()
+def demo(
+    requests: Annotated[int, typer.Option(help="Requests to send through the split.")] = 200,
+    keep: Annotated[bool, typer.Option(help="Keep the work dir (manifests, logs).")] = False,
+) -> None:
+    """A small node on this machine (root): pods, agent, Envoy, an HTTPRoute split; then cleanup."""
+    from agent.demo import run_demo
+    raise typer.Exit(run_demo(requests, keep))
+
+
+@app.command()
 def version() -> None:
     """Print the agent version."""
     print(__version__)

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -57,6 +58,7 @@ class EnvoySink:
                                           use_keeper=True)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
+        self._services: tuple[Any, ...] = ()
         self._lock = threading.Lock()
         self._adopted: psutil.Process | None = None
         self._adopt_watch: threading.Thread | None = None
@@ -182,7 +184,8 @@ class EnvoySink:
     def _publish(self) -> str:
         state = NodeXdsState(pods=tuple(self._pods.values()),
                              capture_port=self.node.capture_port,
-                             passthrough_mark=self.node.passthrough_mark)
+                             passthrough_mark=self.node.passthrough_mark,
+                             services=self._services)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str) -> None:
@@ -206,6 +209,22 @@ class EnvoySink:
             self._pods[pod.container_id] = listener
             version = self._publish()
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
+
+    def set_services(self, views: list[Any]) -> str:
+        """The in-scope Services changed (mesh model): rebuild chains, clusters and EDS.
+        Not awaited: a pod's ADD waits for its own listener, not for the mesh config."""
+        with self._lock:
+            self._services = tuple(views)
+            return self._publish()
+
+    def set_access_callback(self, cb: Callable[[str, int], None] | None) -> None:
+        """Passthrough connections (the gRPC access log) feed dependency learning. Runs on a
+        gRPC thread once per passthrough connection: the callback must stay fast."""
+        self.xds.set_access_callback(None if cb is None else (lambda _lis, ip, port: cb(ip, port)))
+
+    def has_listener(self, container_id: str) -> bool:
+        with self._lock:
+            return container_id in self._pods
 
     def remove_pod(self, pod: CapturedPod) -> None:
         with self._lock:

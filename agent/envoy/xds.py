@@ -88,6 +88,7 @@ class XdsServer:
         self.log = log or logging.getLogger("agent.envoy.xds")
         self.als = AccessLogServicer(on_access, log=self.log)
         self._builder = ResourceBuilder()
+        self._publish_lock = threading.RLock()
         # id(proto) -> (proto, hash): resources the builder reused are not re-serialised.
         self._hash_memo: dict[int, tuple[Message, str]] = {}
         self._cv = threading.Condition()
@@ -154,13 +155,15 @@ class XdsServer:
 
         ``extra_listeners`` are added verbatim (tests use it to inject a bad listener).
         """
-        with self._cv:  # the builder's caches are not thread-safe
+        # Publishers are serialised (builder caches, version order) without holding the
+        # stream lock, so ACKs keep flowing while a large snapshot is built and hashed.
+        with self._publish_lock:
             res = self._builder.build(state)
-        if extra_listeners:
-            res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
-            for lis in extra_listeners:
-                res[LISTENER_TYPE][lis.name] = lis
-        return self.set_raw_resources(res)
+            if extra_listeners:
+                res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
+                for lis in extra_listeners:
+                    res[LISTENER_TYPE][lis.name] = lis
+            return self.set_raw_resources(res)
 
     def _hashes(self, resources: Resources) -> dict[str, dict[str, str]]:
         """Per-resource hashes, memoised by proto identity (protos are never mutated)."""
@@ -178,8 +181,12 @@ class XdsServer:
 
     def set_raw_resources(self, resources: Resources) -> str:
         """Publish an arbitrary {type_url: {name: proto}} snapshot (CDS, EDS, LDS)."""
-        with self._cv:
+        with self._publish_lock:
             hashes = self._hashes(resources)
+            return self._publish(resources, hashes)
+
+    def _publish(self, resources: Resources, hashes: dict[str, dict[str, str]]) -> str:
+        with self._cv:
             self._version += 1
             v = self._version
             old = self._snap.hashes
@@ -395,6 +402,7 @@ class XdsServer:
                 # Delta subscription change on an open type: send what was added.
                 if resubscribed and not self._push(st, type_url):
                     self._in_sync(st, type_url, self._snap.version)
+                    self._cv.notify_all()
                 return
             if nonce != st.last_nonce.get(type_url):
                 self.log.debug("stream %d: stale nonce for %s ignored", st.sid, type_url)

@@ -354,6 +354,9 @@ class MeshModel:
             return None
         members = self.registry.members(key)
         slice_ports = self._slice_ports.get(key, {}) if svc.selector is None else {}
+        # Endpoints of the Service's own IP families only, as EndpointSlices are per family:
+        # an IPv4-only Service never sends a client to a pod's IPv6 address.
+        families = {6 if ":" in ip else 4 for ip in svc.cluster_ips}
         endpoints: dict[int, tuple[Endpoint, ...]] = {}
         for sp in svc.ports:
             eps: list[Endpoint] = []
@@ -366,6 +369,7 @@ class MeshModel:
                     Endpoint(ip, target, rec.identity, rec.ready, rec.terminating, san,
                              rec.key, rec.local)
                     for ip in rec.ips
+                    if not families or (6 if ":" in ip else 4) in families
                 )
             endpoints[sp.port] = tuple(eps)
         view = ServiceView(

@@ -129,6 +129,8 @@ class Kubelet:
             "ipam": {
                 "type": "host-local",
                 "ranges": [[{"subnet": subnet4}], [{"subnet": subnet6}]],
+                # default routes via the bridge, as every real pod network has
+                "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
                 "dataDir": os.path.join(workdir, "ipam"),
             },
         }]

@@ -6,6 +6,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.netns.enter import run_in_netns
 
@@ -118,3 +119,70 @@ def dial(netns: str, addr: str, port: int, mark: int | None = None,
             s.close()
 
     return run_in_netns(netns, work)
+
+
+def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
+    """An HTTP backend inside a pod netns that answers with its pod name and the request it
+    saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on."""
+    import http.server
+    import json as _json
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            body = _json.dumps({
+                "pod": pod_name, "method": self.command, "path": self.path,
+                "host": self.headers.get("Host", ""),
+                "headers": {k.lower(): v for k, v in self.headers.items()},
+            }).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("X-Pod", pod_name)
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer  # noqa: N815
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = fam
+        daemon_threads = True
+
+    def make() -> Server:
+        return Server((addr, port), Handler)
+
+    srv = run_in_netns(netns, make)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def http_get_from(netns: str, host: str, port: int, path: str = "/",
+                  headers: dict[str, str] | None = None, count: int = 1,
+                  timeout: float = 5.0) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` GETs from inside netns (new connection each): (status, headers, body)."""
+    import http.client
+
+    def work() -> list[tuple[int, dict[str, str], bytes]]:
+        out = []
+        for _ in range(count):
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                conn.request("GET", path, headers=headers or {})
+                r = conn.getresponse()
+                out.append((r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()))
+            except OSError as e:
+                out.append((0, {"error": f"{type(e).__name__}: {e}"}, b""))
+            finally:
+                conn.close()
+        return out
+
+    return run_in_netns(netns, work, timeout=max(30.0, count * timeout))

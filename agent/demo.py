@@ -1,0 +1,270 @@
+"""`aether-agent demo`: a small node on this machine, no Kubernetes needed (root).
+
+Builds a manifest directory (a managed namespace, a client pod, `echo` with `echo-v1` and
+`echo-v2` behind it, an HTTPRoute that matches a header and splits the rest), creates the
+pods' network namespaces through the reference CNI plugins + `aether-cni` exactly as kubelet
+would, starts the agent and its Envoy, sends requests from the client pod to
+`http://echo/` — a ClusterIP nothing else routes — and shows which backend answered and that
+Envoy carried them. Cleans everything up, also on Ctrl-C. Exit 0 only when the split splits
+and the header match matches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import yaml
+
+NS = "demo"
+ECHO_IP, V1_IP, V2_IP = "10.96.213.10", "10.96.213.11", "10.96.213.12"
+SUBNET4, SUBNET6 = "10.88.213.0/24", "fd00:88:213::/64"
+
+
+def _say(step: int, total: int, msg: str) -> None:
+    print(f"[{step}/{total}] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def manifests() -> list[dict[str, Any]]:
+    def pod(name: str, labels: dict[str, str], ann: dict[str, str] | None = None) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": NS, "labels": labels,
+                             "annotations": ann or {}},
+                "spec": {"nodeName": "demo-node", "serviceAccountName": "default",
+                         "containers": [{"name": "app", "image": "demo",
+                                         "ports": [{"name": "http", "containerPort": 8080}]}]}}
+
+    def svc(name: str, ip: str, selector: dict[str, str]) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": selector,
+                         "ports": [{"name": "http", "port": 80, "targetPort": "http",
+                                    "protocol": "TCP", "appProtocol": "http"}]}}
+
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": "echo-split", "namespace": NS,
+                     "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {
+            "parentRefs": [{"group": "", "kind": "Service", "name": "echo", "port": 80}],
+            "rules": [
+                {"matches": [{"headers": [{"name": "x-version", "value": "v2"}]}],
+                 "backendRefs": [{"name": "echo-v2", "port": 80}]},
+                {"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                 "backendRefs": [{"name": "echo-v1", "port": 80, "weight": 50},
+                                 {"name": "echo-v2", "port": 80, "weight": 50}]},
+            ],
+        },
+    }
+    return [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": NS, "labels": {"aether.io/managed": "true"}}},
+        pod("client", {"app": "client"}, {"aether.io/dependencies": "echo"}),
+        pod("echo-v1-0", {"app": "echo", "version": "v1"}),
+        pod("echo-v2-0", {"app": "echo", "version": "v2"}),
+        svc("echo", ECHO_IP, {"app": "echo"}),
+        svc("echo-v1", V1_IP, {"app": "echo", "version": "v1"}),
+        svc("echo-v2", V2_IP, {"app": "echo", "version": "v2"}),
+        route,
+    ]
+
+
+class Demo:
+    STEPS = 7
+
+    def __init__(self, requests: int = 200, keep: bool = False) -> None:
+        self.requests = requests
+        self.keep = keep
+        self.workdir = tempfile.mkdtemp(prefix="aether-demo-")
+        self.run_dir = os.path.join(self.workdir, "run")
+        self.mdir = os.path.join(self.workdir, "manifests")
+        self.bridge = f"aetdemo{os.getpid() % 1000}"
+        self.admin_port = _free_port()
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.kubelet: Any = None
+        self.pods: dict[str, Any] = {}
+        self.servers: list[Any] = []
+        self._cleanups: list[Callable[[], None]] = []
+
+    # -- steps -------------------------------------------------------------------------------
+    def run(self) -> int:
+        from agent.testing.kubelet import Kubelet, reference_plugin_dir
+
+        if os.geteuid() != 0:
+            print("aether-agent demo needs root (network namespaces, nftables, Envoy)",
+                  file=sys.stderr)
+            return 2
+        reference_plugin_dir()  # fails with a clear message when the plugins are missing
+        _say(1, self.STEPS, f"writing manifests to {self.mdir}")
+        os.makedirs(self.mdir)
+        with open(os.path.join(self.mdir, "demo.yaml"), "w") as f:
+            yaml.safe_dump_all(manifests(), f)
+
+        _say(2, self.STEPS, "starting aether-agent with its node Envoy")
+        log = open(os.path.join(self.workdir, "agent.log"), "wb")  # noqa: SIM115
+        self.agent = subprocess.Popen(
+            [sys.executable, "-m", "agent.cli", "run", "--manifests", self.mdir, "--node-name",
+             "demo-node", "--run-dir", self.run_dir, "--envoy-admin-port", str(self.admin_port),
+             "--metrics-port", "0", "--log-format", "json"], stdout=log, stderr=log)
+        self._wait(lambda: os.path.exists(os.path.join(self.run_dir, "status.sock")), 60,
+                   "the agent did not start")
+        self._wait(lambda: self._admin("/ready").strip() == "LIVE", 60, "Envoy did not get ready")
+
+        _say(3, self.STEPS, "creating pods through bridge + host-local + aether-cni (as kubelet)")
+        self.kubelet = Kubelet(self.workdir, self.bridge, SUBNET4, SUBNET6,
+                               {"agent_socket": os.path.join(self.run_dir, "cni.sock"),
+                                "capture_redirect_all_default": True})
+        for name in ("echo-v1-0", "echo-v2-0", "client"):
+            pod = self.kubelet.new_pod(NS, name)
+            self.kubelet.add(pod)
+            self.pods[name] = pod
+            print(f"      {NS}/{name}: {pod.ip(4)} netns {pod.netns_name} captured",
+                  file=sys.stderr)
+
+        _say(4, self.STEPS, "starting backends that answer with their pod name")
+        from agent.testing.netutil import http_echo_server
+        for name in ("echo-v1-0", "echo-v2-0"):
+            self.servers.append(http_echo_server(self.pods[name].netns, "0.0.0.0", 8080, name))
+
+        _say(5, self.STEPS, "waiting for the mesh config (echo in the node's dependency set)")
+        self._wait(self._echo_routed, 30, "Envoy never routed http://echo/")
+
+        _say(6, self.STEPS, f"sending {self.requests} requests from {NS}/client to "
+             f"http://echo/ ({ECHO_IP}:80) and 20 with x-version: v2")
+        from agent.testing.netutil import http_get_from
+        client = self.pods["client"].netns
+        plain = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo"}, count=self.requests)
+        v2 = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo", "x-version": "v2"},
+                           count=20)
+        split = Counter(h.get("x-pod", f"status {s}") for s, h, _ in plain)
+        header = Counter(h.get("x-pod", f"status {s}") for s, h, _ in v2)
+        stats = self._envoy_stats()
+
+        _say(7, self.STEPS, "aether-agent status")
+        subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir", self.run_dir],
+                       check=False)
+        return self._report(split, header, stats)
+
+    def _echo_routed(self) -> bool:
+        from agent.testing.netutil import http_get_from
+        answers = http_get_from(self.pods["client"].netns, ECHO_IP, 80, "/", count=1, timeout=2)
+        return answers[0][0] == 200 and "x-pod" in answers[0][1]
+
+    def _report(self, split: Counter[str], header: Counter[str], stats: dict[str, int]) -> int:
+        print()
+        print(f"http://echo/ from {NS}/client ({sum(split.values())} requests):")
+        for pod, n in sorted(split.items()):
+            print(f"  {pod:<12} {n:>4}  {'#' * int(40 * n / max(1, sum(split.values())))}")
+        print("with header x-version: v2 (20 requests):")
+        for pod, n in sorted(header.items()):
+            print(f"  {pod:<12} {n:>4}")
+        print("Envoy carried them (cluster upstream requests):")
+        for name, n in sorted(stats.items()):
+            print(f"  {name:<40} {n}")
+        total = sum(split.values())
+        v1, v2n = split.get("echo-v1-0", 0), split.get("echo-v2-0", 0)
+        ok_split = total > 0 and v1 + v2n == total and 0.3 <= v1 / total <= 0.7
+        ok_header = header.get("echo-v2-0", 0) == 20
+        ok_envoy = sum(stats.values()) >= total
+        for ok, what in ((ok_split, "the 50/50 split splits"), (ok_header, "the header match matches"),
+                         (ok_envoy, "every request went through the node Envoy")):
+            print(f"{'PASS' if ok else 'FAIL'}: {what}")
+        return 0 if ok_split and ok_header and ok_envoy else 1
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _admin(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=2) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    def _envoy_stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for line in self._admin("/stats?filter=upstream_rq_total$").splitlines():
+            name, _, value = line.partition(": ")
+            if name.startswith("cluster.svc|"):
+                out[name.removeprefix("cluster.").removesuffix(".upstream_rq_total")] = int(value)
+        return {k: v for k, v in out.items() if v}
+
+    def _wait(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if pred():
+                    return
+            except Exception:  # noqa: BLE001 - keep polling until the deadline
+                pass
+            if self.agent is not None and self.agent.poll() is not None:
+                raise RuntimeError(f"{what}: the agent exited ({self._tail()})")
+            time.sleep(0.2)
+        raise RuntimeError(f"{what} within {timeout:.0f}s ({self._tail()})")
+
+    def _tail(self) -> str:
+        try:
+            with open(os.path.join(self.workdir, "agent.log"), errors="replace") as f:
+                lines = [ln for ln in f.read().splitlines() if '"error"' in ln or "Traceback" in ln]
+            return " | ".join(json.loads(ln).get("msg", ln)[:200] if ln.startswith("{") else ln
+                              for ln in lines[-3:]) or "see agent.log"
+        except OSError:
+            return "no agent log"
+
+    def cleanup(self) -> None:
+        print("cleaning up", file=sys.stderr)
+        for srv in self.servers:
+            srv.shutdown()
+        for pod in self.pods.values():
+            try:
+                self.kubelet.delete(pod)
+            except Exception:  # noqa: BLE001 - best effort; the netns goes regardless
+                subprocess.run(["ip", "netns", "del", pod.netns_name], check=False,
+                               capture_output=True)
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                self.agent.wait(20)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+        subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
+        if not self.keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            print(f"kept {self.workdir}", file=sys.stderr)
+
+
+def run_demo(requests: int = 200, keep: bool = False) -> int:
+    demo = Demo(requests, keep)
+
+    def on_term(_sig: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return demo.run()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        demo.cleanup()
+        signal.signal(signal.SIGTERM, old)

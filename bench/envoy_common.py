@@ -1,0 +1,166 @@
+"""Pieces of the Envoy benchmarks: a static HTTP server (a separate Envoy), wrk, versions.
+
+The upstream server is a second Envoy process, independent of the node Envoy the agent
+supervises: a static listener whose only route is a `direct_response` with a fixed body. It is
+fast, needs nothing beyond what the agent already depends on, and does the same work for the
+captured and the direct client, so their difference is the capture path alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from agent.envoy.supervisor import find_envoy_binary
+from integration.conftest import free_port
+
+
+def envoy_version() -> str:
+    try:
+        out = subprocess.run([find_envoy_binary(), "--version"], capture_output=True, text=True,
+                             timeout=30, check=False)
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+    m = re.search(r"version: [0-9a-f]+/(\d+\.\d+\.\d+)/", out.stdout + out.stderr)
+    return m.group(1) if m else "unknown"
+
+
+def _server_bootstrap(port: int, admin_port: int, body_bytes: int) -> dict[str, Any]:
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
+                 ".v3.HttpConnectionManager",
+        "stat_prefix": "bench_server",
+        "codec_type": "HTTP1",
+        "route_config": {"virtual_hosts": [{
+            "name": "all", "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"},
+                        "direct_response": {"status": 200,
+                                            "body": {"inline_string": "x" * body_bytes}}}],
+        }]},
+        "http_filters": [{
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router"
+                                      ".v3.Router"},
+        }],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {"listeners": [{
+            "name": "bench_server",
+            "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                            "typed_config": hcm}]}],
+        }]},
+    }
+
+
+class ServerEnvoy:
+    """`envoy` with a static direct_response listener on 0.0.0.0:<port> in the host netns."""
+
+    def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.body_bytes = body_bytes
+        self.workers = workers
+        self.config = os.path.join(workdir, "server-envoy.json")
+        self.log_path = os.path.join(workdir, "server-envoy.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> ServerEnvoy:
+        with open(self.config, "w") as f:
+            json.dump(_server_bootstrap(self.port, self.admin_port, self.body_bytes), f)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
+             "--use-dynamic-base-id", "-l", "warning"], stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server envoy exited {self.proc.returncode}: {self.logs()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready",
+                                            timeout=1) as r:
+                    if r.read().decode().strip() == "LIVE":
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server envoy not ready after {timeout:.0f}s: {self.logs()}")
+
+    def logs(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-2000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS_MS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    rps: float
+    p50_ms: float
+    p75_ms: float
+    p90_ms: float
+    p99_ms: float
+    socket_errors: int
+    non_2xx: int
+    raw: str
+
+    @classmethod
+    def parse(cls, out: str) -> WrkResult:
+        pct: dict[str, float] = {}
+        for m in re.finditer(r"^\s+(50|75|90|99)%\s+(\S+)\s*$", out, re.M):
+            pct[m.group(1)] = _ms(m.group(2))
+        rps = re.search(r"^Requests/sec:\s+([\d.]+)", out, re.M)
+        reqs = re.search(r"^\s+(\d+) requests in", out, re.M)
+        if rps is None or reqs is None or len(pct) != 4:
+            raise ValueError(f"unexpected wrk output:\n{out}")
+        errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
+                         out)
+        non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+        return cls(int(reqs.group(1)), float(rps.group(1)), pct["50"], pct["75"], pct["90"],
+                   pct["99"], sum(int(g) for g in errs.groups()) if errs else 0,
+                   int(non2xx.group(1)) if non2xx else 0, out)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": self.requests, "rps": round(self.rps, 1),
+                "p50_ms": round(self.p50_ms, 3), "p75_ms": round(self.p75_ms, 3),
+                "p90_ms": round(self.p90_ms, 3), "p99_ms": round(self.p99_ms, 3),
+                "socket_errors": self.socket_errors, "non_2xx": self.non_2xx}
+
+
+def run_wrk(netns_name: str, url: str, duration: float, threads: int = 2,
+            connections: int = 32) -> WrkResult:
+    """wrk from inside a pod netns (`ip netns exec`), as a workload in that pod would run."""
+    argv = ["ip", "netns", "exec", netns_name, "wrk", f"-t{threads}", f"-c{connections}",
+            f"-d{max(1, round(duration))}s", "--latency", url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr.strip()}\n{out.stdout}")
+    return WrkResult.parse(out.stdout)
