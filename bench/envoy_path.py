@@ -23,6 +23,7 @@ error, Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -36,7 +37,8 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -247,9 +249,10 @@ class Phase:
 
     # -- teardown ------------------------------------------------------------------------
     def cleanup(self) -> None:
+        """DEL every pod (netns removed even if DEL fails), stop the agent, drop the bridge.
+        Run under `_shielded()`: an interrupt here would leak what is left."""
         if self.cleaned:
             return
-        self.cleaned = True
         if self.sandboxes:
             progress(f"[{self.name}] cleaning up {len(self.sandboxes)} pods …")
 
@@ -260,12 +263,31 @@ class Phase:
                     subprocess.run(["ip", "netns", "del", pod.netns_name], check=False,
                                    capture_output=True)
 
-            from concurrent.futures import ThreadPoolExecutor
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(one, self.sandboxes))
+            self.sandboxes.clear()
         if self.started:
             self.agent.stop()
         subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
+        self.cleaned = True
+
+
+@contextlib.contextmanager
+def _shielded() -> Iterator[None]:
+    """SIGINT/SIGTERM are held while tearing down and re-raised (as KeyboardInterrupt) after."""
+    caught: list[int] = []
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        caught.append(signum)
+
+    old = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def _mean_delta_ms(m0: dict[str, float], m1: dict[str, float], name: str, labels: str
@@ -326,13 +348,16 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
     envoy_pid = phase.envoy_pid()
     ncpu = os.cpu_count() or 1
     cx0 = phase.stat("cluster.passthrough.upstream_cx_total")
+    agent_pid = phase.agent.proc.pid if phase.agent.proc else None
     node0, srv0 = _proc_cpu(envoy_pid), _proc_cpu(server.proc.pid if server.proc else None)
+    agent0 = _proc_cpu(agent_pid)
     kids0, sys0, t0 = _children_cpu(), _sys_cpu(), time.perf_counter()
     result = run_wrk(pod.netns_name, f"http://{phase.gw4}:{server.port}/", duration,
                      WRK_THREADS, WRK_CONNECTIONS)
     wall = time.perf_counter() - t0
     kids1, sys1 = _children_cpu(), _sys_cpu()
     node1, srv1 = _proc_cpu(envoy_pid), _proc_cpu(server.proc.pid if server.proc else None)
+    agent1 = _proc_cpu(agent_pid)
     cx1 = phase.stat("cluster.passthrough.upstream_cx_total")
     d = [b - a for a, b in zip(sys0, sys1, strict=True)]
     total = sum(d) or 1
@@ -341,13 +366,14 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
         "node_envoy": 100.0 * (node1 - node0) / (wall * ncpu),
         "server_envoy": 100.0 * (srv1 - srv0) / (wall * ncpu),
         "wrk": 100.0 * (kids1 - kids0) / (wall * ncpu),
+        "agent": 100.0 * (agent1 - agent0) / (wall * ncpu),
         "softirq": 100.0 * (d[5] + d[6]) / total,
         "idle": 100.0 * (d[3] + d[4]) / total,
         "steal": 100.0 * d[7] / total,
     }
-    # everything else: the agent (access-log stream), other processes, kernel outside softirq
+    # everything else: other processes, kernel work outside softirq and outside those processes
     cpu["other"] = max(0.0, 100.0 - cpu["idle"] - cpu["steal"] - cpu["softirq"] - cpu["node_envoy"]
-                       - cpu["server_envoy"] - cpu["wrk"])
+                       - cpu["server_envoy"] - cpu["wrk"] - cpu["agent"])
     if result.socket_errors or result.non_2xx:
         progress(f"  warning: {mode}: {result.socket_errors} socket errors, "
                  f"{result.non_2xx} non-2xx")
@@ -444,7 +470,7 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
           "round(s) ABBA")
     head = (f"{'run':<10} | {'req/s':>9} | {'p50 ms':>7} {'p75':>6} {'p90':>6} {'p99':>6} | "
             f"{'errors':>6} | cpu%: {'node-envoy':>10} {'server':>6} {'wrk':>5} "
-            f"{'softirq':>7} {'other':>5} {'idle':>5}")
+            f"{'agent':>5} {'softirq':>7} {'other':>5} {'idle':>5}")
     print(head)
     print("-" * len(head))
     for r in runs:
@@ -452,7 +478,8 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
         print(f"{r.mode:<10} | {w.rps:>9.0f} | {w.p50_ms:>7.3f} {w.p75_ms:>6.3f} "
               f"{w.p90_ms:>6.3f} {w.p99_ms:>6.3f} | {w.socket_errors + w.non_2xx:>6} | "
               f"      {r.cpu['node_envoy']:>10.1f} {r.cpu['server_envoy']:>6.1f} "
-              f"{r.cpu['wrk']:>5.1f} {r.cpu['softirq']:>7.1f} {r.cpu['other']:>5.1f} "
+              f"{r.cpu['wrk']:>5.1f} {r.cpu['agent']:>5.1f} {r.cpu['softirq']:>7.1f} "
+              f"{r.cpu['other']:>5.1f} "
               f"{r.cpu['idle']:>5.1f}")
     agg: dict[str, dict[str, float]] = {}
     for mode in ("direct", "captured"):
@@ -466,6 +493,11 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
     p50_delta = c["p50_ms"] - d["p50_ms"]
     rps_ok = rps_ratio >= TARGET_RPS_RATIO
     p50_ok = p50_delta <= TARGET_P50_DELTA_MS
+    noisy = [r for r in runs if r.cpu["other"] > 5.0]
+    if noisy:
+        which = ", ".join(f"{r.mode} {r.cpu['other']:.0f} %" for r in noisy)
+        print(f"  warning: {len(noisy)} run(s) had > 5 % of the machine busy outside wrk, both "
+              f"Envoys, the agent and softirq (other processes on the box?): {which}")
     print("-" * len(head))
     print(f"{'mean dir':<10} | {d['rps']:>9.0f} | {d['p50_ms']:>7.3f} {'':>6} {'':>6} "
           f"{d['p99_ms']:>6.3f} |")
@@ -478,7 +510,7 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
     print(f"captured − direct p99 = {c['p99_ms'] - d['p99_ms']:+.3f} ms  (no target)")
     print()
     print("CPU time per request (µs; from per-process and /proc/stat accounting over each run):")
-    parts = ("node_envoy", "server_envoy", "wrk", "softirq", "other")
+    parts = ("node_envoy", "server_envoy", "wrk", "agent", "softirq", "other")
     head = f"{'mode':<10} | " + " ".join(f"{p:>12}" for p in parts) + f" | {'total busy':>10}"
     print(head)
     print("-" * len(head))
@@ -578,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         for lv in base.levels:
             base.time_add(lv, None)
         base.verify()
-        base.cleanup()
+        with _shielded():
+            base.cleanup()
 
         recorder, probe_port = host_server(tag=b"live")
 
@@ -618,19 +651,19 @@ def main(argv: list[str] | None = None) -> int:
                 progress(f"[{ph.name}] agent log tail:\n" + ph.agent.logs()[-2000:])
         raise
     finally:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leak
         try:
-            for ph in (base, env):
-                try:
-                    ph.cleanup()
-                except Exception as e:  # noqa: BLE001 - keep tearing down the rest
-                    progress(f"[{ph.name}] cleanup error: {e}")
-            server.stop()
-            if recorder is not None:
-                recorder.close()
-            _reap_leftovers(root)
-        finally:
-            signal.signal(signal.SIGINT, old)
+            with _shielded():  # a second Ctrl-C must not leak anything
+                for ph in (base, env):
+                    try:
+                        ph.cleanup()
+                    except Exception as e:  # noqa: BLE001 - keep tearing down the rest
+                        progress(f"[{ph.name}] cleanup error: {e}")
+                server.stop()
+                if recorder is not None:
+                    recorder.close()
+                _reap_leftovers(root)
+        except KeyboardInterrupt:
+            progress("interrupt during cleanup held until it finished")
         if args.keep_workdir or not ok:
             progress(f"workdir kept: {root}")
         else:

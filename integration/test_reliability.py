@@ -43,13 +43,15 @@ def test_agent_killed_during_add_never_half_captures(enode: EnvoyNode, point: st
             enode.add(pod)
         assert err.value.result["code"] == 100  # the agent died mid-request: fail closed
         enode.agent.proc.wait(10)  # type: ignore[union-attr]
+        pod_ip = _pod_ip4(pod.netns_name)
         # meanwhile the pod's traffic is refused or captured, never sent around the mesh
-        r = dial(pod.netns, GW4, tport, timeout=1)
-        assert r != "direct" or GW4 in {p for p, _ in tcp.seen}
-        assert pod.ip(4) not in {p for p, _ in tcp.seen}
+        dial(pod.netns, GW4, tport, timeout=1)
+        assert pod_ip not in {p for p, _ in tcp.seen}
         enode.agent.start()
         enode.wait_ready()
-        enode.kubelet.add_aether_only(pod)  # kubelet retries the ADD
+        # kubelet's answer to a failed ADD: DEL the whole chain, then ADD again
+        enode.kubelet.delete(pod, remove_netns=False)
+        enode.kubelet.add(pod, create=False)
         assert f"capture-{pod.container_id}" in enode.listeners()
         assert dial(pod.netns, GW4, tport) == "direct"
         assert pod.ip(4) not in {p for p, _ in tcp.seen}  # it went through Envoy
@@ -57,6 +59,12 @@ def test_agent_killed_during_add_never_half_captures(enode: EnvoyNode, point: st
         assert [p["rules"] for p in st["pods"]] == ["ok"]
     finally:
         tcp.close()
+
+
+def _pod_ip4(netns_name: str) -> str:
+    out = subprocess.run(["ip", "-n", netns_name, "-4", "-o", "addr", "show", "dev", "eth0"],
+                         capture_output=True, text=True, check=False).stdout.split()
+    return out[3].split("/")[0] if len(out) > 3 else ""
 
 
 def test_agent_restart_refuses_nothing_for_more_than_a_second(enode: EnvoyNode) -> None:
@@ -179,7 +187,7 @@ def test_hundred_concurrent_adds(enode: EnvoyNode) -> None:
         list(ex.map(add, pods))
     st = enode.agent.status()
     assert len(st["pods"]) == 100 and all(p["rules"] == "ok" for p in st["pods"])
-    listeners = [n for n in enode.listeners() if n.startswith("capture-")]
+    listeners = {n for n in enode.listeners() if n.startswith("capture-")}
     assert len(listeners) == 100
     times.sort()
     print(f"\n100 concurrent ADDs (bridge + aether-cni): p50 {times[49]*1000:.0f} ms, "
@@ -228,23 +236,26 @@ def test_malformed_requests_on_the_socket(enode: EnvoyNode) -> None:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
             s.connect(sock_path)
-            s.sendall(payload)
-            s.shutdown(socket.SHUT_WR)
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the agent stopped reading an oversized request and answered already
             return s.recv(1 << 20).decode()
 
     rc, _, out = raw(b"{not json").partition("\n")
     assert rc == "1" and json.loads(out)["code"] == 6
-    rc, _, out = raw(b"x" * (2 << 20))
+    rc, _, out = raw(b"x" * (2 << 20)).partition("\n")
     assert rc == "1" and "larger than 1 MiB" in json.loads(out)["msg"]
     env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "abc", "CNI_NETNS": "/proc/1/../../etc/passwd",
            "CNI_ARGS": "K8S_POD_NAMESPACE=app;K8S_POD_NAME=x"}
     req = {"v": 2, "env": env, "stdin": {"cniVersion": "1.0.0", "prevResult": {}}}
-    rc, _, out = raw(json.dumps(req).encode())
+    rc, _, out = raw(json.dumps(req).encode()).partition("\n")
     assert rc == "1" and "clean absolute path" in json.loads(out)["msg"]
     env["CNI_NETNS"] = "/etc/passwd"
-    rc, _, out = raw(json.dumps(req).encode())
+    rc, _, out = raw(json.dumps(req).encode()).partition("\n")
     assert rc == "1" and "not a namespace" in json.loads(out)["details"] + json.loads(out)["msg"]
     req["env"] = {"CNI_COMMAND": 7}  # type: ignore[assignment]
-    rc, _, out = raw(json.dumps(req).encode())
+    rc, _, out = raw(json.dumps(req).encode()).partition("\n")
     assert rc == "1"
     assert enode.agent.proc.poll() is None  # type: ignore[union-attr]

@@ -59,7 +59,13 @@ class _Conn(socketserver.BaseRequestHandler):
             answer = self.server.handle_request_fn(raw)
         except p.ProtocolError as e:
             log.warning("rejected a request on %s: %s", self.server.server_address, e)
-            answer = self.server.oversize_answer
+            try:
+                sock.sendall(self.server.oversize_answer)
+                sock.shutdown(socket.SHUT_WR)
+                _drain(sock, seconds=1.0)  # let the client read the answer, not a reset
+            except OSError:
+                pass
+            return
         except OSError as e:
             log.warning("client connection failed: %s", e)
             return
@@ -67,6 +73,19 @@ class _Conn(socketserver.BaseRequestHandler):
             sock.sendall(answer)
         except OSError as e:
             log.warning("client went away before the answer: %s", e)
+
+
+def _drain(sock: socket.socket, seconds: float, limit: int = 64 << 20) -> None:
+    sock.settimeout(seconds)
+    seen = 0
+    try:
+        while seen < limit:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return
+            seen += len(chunk)
+    except OSError:
+        return
 
 
 class UnixJsonServer:

@@ -250,3 +250,24 @@ def statuses_from_store(objects: Objects, controller_name: str) -> list[ParentSt
         for obj in objects.of_kind(kind):
             out.extend(route_statuses(kind, obj, objects, controller_name))
     return out
+
+
+def adopt_records(records: Iterable[Any], objects: Objects, controller_name: str) -> list[ParentStatus]:
+    """Another producer's per-parent records (duck-typed: ``route_kind``, ``ns``/``route_namespace``,
+    ``name``/``route_name``, ``parent``, ``generation``, ``conditions`` of type/status/reason/
+    message) → our ParentStatus, keeping only parents we own. The route-table builder can
+    then decide conditions without knowing the ownership rules."""
+    out: list[ParentStatus] = []
+    for r in records:
+        kind = str(r.route_kind)
+        ns = str(getattr(r, "ns", None) or getattr(r, "route_namespace", ""))
+        name = str(getattr(r, "name", None) or getattr(r, "route_name", ""))
+        parent: ParentRef = r.parent
+        route_obj = objects.get(kind, ns, name)
+        svc = objects.get("Service", parent.namespace, parent.name)
+        if not owns(route_obj, svc, objects.get("Namespace", "", parent.namespace), controller_name)[0]:
+            continue
+        conds = [Condition(str(c.type), str(c.status), str(c.reason), str(c.message or ""))
+                 for c in r.conditions]
+        out.append(ParentStatus(kind, ns, name, parent, int(r.generation or 0), conds))
+    return out

@@ -135,7 +135,7 @@ class LeaseElector:
         if holder == self.identity:
             new_spec = self._spec(spec.get("acquireTime") or micro_time(), transitions)
         else:
-            new_spec = self._spec(micro_time(), transitions + (1 if holder else 0))
+            new_spec = self._spec(micro_time(), transitions + 1)  # a change of holder, as client-go counts
         body = dict(live)
         body["spec"] = new_spec  # live metadata carries the resourceVersion: a stale write 409s
         try:

@@ -63,8 +63,9 @@ def _int(v: Any) -> int | None:
 
 def ref_key(ref: Mapping[str, Any], route_ns: str) -> tuple[Any, ...] | None:
     """A status/spec parentRef → comparable key; None if it is not a Service parent."""
-    if (ref.get("group") or "") != "" or ref.get("kind") != "Service":
-        return None
+    group = ref.get("group")
+    if (GATEWAY_GROUP if group is None else group) != "" or ref.get("kind") != "Service":
+        return None  # an omitted group means gateway.networking.k8s.io: not a Service
     return (str(ref.get("namespace") or route_ns), str(ref.get("name") or ""),
             _int(ref.get("port")), ref.get("sectionName") or None)
 
@@ -77,9 +78,7 @@ def echo_ref(route: Mapping[str, Any], p: ParentRef) -> JSON:
     """The parentRef as the route's spec wrote it (what kubectl users match against)."""
     ns = str((route.get("metadata") or {}).get("namespace") or "default")
     for ref in (route.get("spec") or {}).get("parentRefs") or []:
-        if not isinstance(ref, dict) or ref.get("kind") != "Service":
-            continue
-        if ref_key({**ref, "group": ref.get("group") or ""}, ns) == parent_key(p):
+        if isinstance(ref, dict) and ref_key(ref, ns) == parent_key(p):
             out: JSON = {"group": "", "kind": "Service", "name": p.name}
             if ref.get("namespace"):
                 out["namespace"] = ref["namespace"]
@@ -345,7 +344,10 @@ class StatusLoop:
                 self.writer.resync()
                 next_resync = time.monotonic() + self.resync_s
                 became = became or leading
-            if not leading or not (fired or became):
+            if not leading:
+                self._dirty.clear()  # the leader does the work; becoming leader triggers a pass
+                continue
+            if not (fired or became):
                 continue
             if self._stop.wait(self.interval):  # debounce: a burst becomes one pass
                 return
