@@ -33,14 +33,14 @@ def pod_obj(pod: Pod, annotations: dict[str, str] | None = None) -> dict[str, An
 
 
 class KubeAgent(AgentProc):
-    def __init__(self, workdir: str, kubeconfig: str) -> None:
-        super().__init__(workdir)
+    def __init__(self, workdir: str, kubeconfig: str, extra: list[str] | None = None) -> None:
+        super().__init__(workdir, extra=extra)
         self.kubeconfig = kubeconfig
 
     def start(self, env: dict[str, str] | None = None) -> AgentProc:
         cmd = [sys.executable, "-m", "agent.cli", "run", "--kubeconfig", self.kubeconfig,
                "--node-name", "test-node", "--run-dir", self.run_dir, "--log-format", "json",
-               "--no-envoy", "--daemonset-name", "", "--metrics-port", "0"]
+               "--no-envoy", "--daemonset-name", "", "--metrics-port", "0", *self.extra]
         log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         deadline = time.monotonic() + 60
@@ -179,3 +179,29 @@ def test_unknown_pod_and_api_down_fails_closed(api: FakeApiServer,
     assert err.value.result["code"] == 11
     assert "cannot read pod app/never-listed" in err.value.msg
     api.clear_faults()
+
+
+def _taints(api: FakeApiServer) -> list[str]:
+    node = api.get_object("Node", "test-node") or {}
+    return [t["key"] for t in (node.get("spec") or {}).get("taints") or []]
+
+
+def test_readiness_taint_follows_install_and_shutdown(api: FakeApiServer, workdir: str) -> None:
+    """Taint off once the plugin is installed and the socket served; back on a final stop."""
+    conf, cbin = os.path.join(workdir, "net.d"), os.path.join(workdir, "bin")
+    os.makedirs(conf)
+    with open(os.path.join(conf, "10-bridge.conflist"), "w") as f:
+        f.write('{"cniVersion": "1.0.0", "name": "k8s", "plugins": [{"type": "bridge"}]}')
+    kc = api.kubeconfig(os.path.join(workdir, "kubeconfig"))
+    agent = KubeAgent(workdir, kc, ["--cni-conf-dir", conf, "--cni-bin-dir", cbin])
+    agent.start()
+    try:
+        time.sleep(2.0)
+        assert "aether.io/agent-not-ready" in _taints(api)  # plugin not installed yet
+        subprocess.run([sys.executable, "-m", "agent.install.cli", "--cni-conf-dir", conf,
+                        "--cni-bin-dir", cbin, "--python-runtime", "host",
+                        "--agent-socket", agent.socket], check=True, capture_output=True)
+        wait_for(lambda: "aether.io/agent-not-ready" not in _taints(api), 15)
+    finally:
+        agent.stop()
+    assert "aether.io/agent-not-ready" in _taints(api)  # no DaemonSet: a stop for good
