@@ -48,6 +48,7 @@ class AgentOptions:
     daemonset_name: str = "aether-agent"
     daemonset_namespace: str = "aether-system"
     node_loops: bool = True  # readiness taint + repair (only with the Kubernetes API)
+    gamma_controller_name: str = "aether.io/mesh"
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None or 0: no metrics server
 
@@ -67,6 +68,8 @@ class Agent:
         self.metrics: Any = None
         self.metrics_server: Any = None
         self.slices: Any = None
+        self.gamma_lease: Any = None
+        self.gamma_status: Any = None
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -138,6 +141,7 @@ class Agent:
                 SliceWriter(api_client(o.kubeconfig), self.node.node_name))
             self.mesh.projector = self.slices
             self.slices.start(synced=watcher.wait_synced if watcher is not None else None)
+            self._start_route_status(watcher)
 
     def readiness_checks(self) -> dict[str, bool]:
         """What /readyz and the node taint wait for: plugin installed, socket served, Envoy."""
@@ -182,6 +186,29 @@ class Agent:
         log.info("metrics on %s:%d (/metrics /healthz /readyz)", self.metrics_server.host,
                  self.metrics_server.port)
 
+    def _start_route_status(self, watcher: Any) -> None:
+        """GAMMA route status: one writer cluster-wide (Lease), every agent routes."""
+        from agent.gamma.conditions import statuses_from_store
+        from agent.gamma.lease import LeaseElector
+        from agent.gamma.status import StatusLoop, StatusWriter
+        from agent.gamma.xmesh import XMeshPublisher
+        from agent.install.kube import api_client
+
+        assert self.mesh is not None
+        o = self.options
+        gapi, ctrl, objects = api_client(o.kubeconfig), o.gamma_controller_name, self.mesh.objects
+        self.gamma_lease = LeaseElector(gapi, self.node.node_name, namespace=o.daemonset_namespace)
+        self.gamma_status = StatusLoop(
+            lambda: statuses_from_store(objects, ctrl), StatusWriter(gapi, ctrl, self.gamma_lease),
+            xmesh=XMeshPublisher(gapi, ctrl, self.node.node_name, lease=self.gamma_lease))
+        status_loop = self.gamma_status
+        self.gamma_lease.on_change = lambda _l: status_loop.mark_dirty()
+        kinds = ("HTTPRoute", "GRPCRoute", "Service", "Namespace", "ReferenceGrant")
+        objects.on_event(lambda ev: status_loop.mark_dirty() if ev.kind in kinds else None,
+                         replay=False)
+        self.gamma_lease.start()
+        self.gamma_status.start(synced=watcher.wait_synced if watcher is not None else None)
+
     def _start_node_loops(self) -> None:
         from agent.install.kube import api_client
         from agent.node.readiness import (
@@ -216,6 +243,9 @@ class Agent:
                 self.readiness.stop(for_good=for_good)
             if self.slices is not None:
                 self.slices.stop(node_leaving=for_good)
+        if self.gamma_status is not None:
+            self.gamma_status.stop()
+            self.gamma_lease.stop(release=True)
         if self.mesh is not None:
             self.mesh.stop()
         if self.metrics_server is not None:
@@ -311,6 +341,8 @@ class Agent:
             out["readiness"] = self.readiness.status()
         if self.slices is not None:
             out["endpoint_slices"] = self.slices.status()
+        if self.gamma_status is not None:
+            out["route_status"] = self.gamma_status.status()
         extra = getattr(self.sink, "status", None)
         if callable(extra):
             out["envoy"] = extra()

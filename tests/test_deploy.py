@@ -268,6 +268,24 @@ CALLS: dict[str, tuple[str, set[Grant]]] = {
                                           {("discovery.k8s.io", "endpointslices", "update")}),
     "delete_namespaced_endpoint_slice": ("agent/slices/writer.py",
                                          {("discovery.k8s.io", "endpointslices", "delete")}),
+    "read_namespaced_lease": ("agent/gamma/lease.py", {("coordination.k8s.io", "leases", "get")}),
+    "create_namespaced_lease": ("agent/gamma/lease.py", {("coordination.k8s.io", "leases", "create")}),
+    "replace_namespaced_lease": ("agent/gamma/lease.py", {("coordination.k8s.io", "leases", "update")}),
+    "list_custom_object_for_all_namespaces": ("agent/gamma/status.py", {
+        ("gateway.networking.k8s.io", "httproutes", "list"),
+        ("gateway.networking.k8s.io", "grpcroutes", "list")}),
+    # + get_namespaced_custom_object (re-read on 409; get_* is not a scanned prefix)
+    "replace_namespaced_custom_object_status": ("agent/gamma/status.py", {
+        ("gateway.networking.k8s.io", "httproutes/status", "update"),
+        ("gateway.networking.k8s.io", "grpcroutes/status", "update"),
+        ("gateway.networking.k8s.io", "httproutes", "get"),
+        ("gateway.networking.k8s.io", "grpcroutes", "get")}),
+    "list_cluster_custom_object": ("agent/gamma/xmesh.py",
+                                   {("gateway.networking.x-k8s.io", "xmeshes", "list")}),
+    "create_cluster_custom_object": ("agent/gamma/xmesh.py",
+                                     {("gateway.networking.x-k8s.io", "xmeshes", "create")}),
+    "replace_cluster_custom_object_status": ("agent/gamma/xmesh.py",
+                                             {("gateway.networking.x-k8s.io", "xmeshes/status", "update")}),
 }
 #: Raw requests (param_serialize): only GETs of KIND_SPECS paths, i.e. list + watch.
 WATCH_EVIDENCE = ("agent/source/watch.py", '"watch": "true"')
@@ -350,13 +368,20 @@ def test_rbac_scoping_and_bindings(objs):
     assert role["metadata"]["namespace"] == NAMESPACE
     # the DaemonSet read is the only namespaced need, pinned to our own DaemonSet
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
-                              "resourceNames": ["aether-agent"], "verbs": ["get"]}]
+                              "resourceNames": ["aether-agent"], "verbs": ["get"]},
+                             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["create"]},
+                             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "resourceNames": ["aether-gamma-status"], "verbs": ["get", "update"]}]
     assert ("DaemonSet", "aether-agent") in objs
     cluster = _granted({k: v for k, v in objs.items() if k == ("ClusterRole", "aether-agent")},
                        ("ClusterRole",))
     # the main role writes only our own kinds of object: Events, Node taints, EndpointSlices
     assert {(g, r) for g, r, v in cluster if v not in ("get", "list", "watch")} == {
-        ("", "events"), ("", "nodes"), ("discovery.k8s.io", "endpointslices")}
+        ("", "events"), ("", "nodes"), ("discovery.k8s.io", "endpointslices"),
+        ("gateway.networking.k8s.io", "httproutes/status"),
+        ("gateway.networking.k8s.io", "grpcroutes/status"),
+        ("gateway.networking.x-k8s.io", "xmeshes"), ("gateway.networking.x-k8s.io", "xmeshes/status")}
     repair = _granted({k: v for k, v in objs.items() if k == ("ClusterRole", "aether-agent-repair")},
                       ("ClusterRole",))
     assert repair == {("", "pods/eviction", "create"), ("", "pods", "delete")}

@@ -1,8 +1,10 @@
 """Pure construction of the Envoy bootstrap (JSON-able dict) plus a tiny writer.
 
 The bootstrap holds only what must exist before xDS is reachable: the node identity,
-the ``xds`` cluster over the agent's unix socket, the admin endpoint and the overload
-manager. Everything per-pod arrives over ADS.
+the ``xds`` cluster over the agent's unix socket, the admin endpoint, the overload
+manager and the internal listener extension (the per-namespace ``mesh-<ns>`` listeners
+that pod capture listeners hand their connections to are Envoy internal listeners).
+Everything per-pod arrives over ADS.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ NODE_CLUSTER = "aether"
 DEFAULT_ADMIN_PORT = 15000
 DEFAULT_MAX_DOWNSTREAM_CONNECTIONS = 50000
 HTTP2_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+INTERNAL_LISTENER_EXTENSION = "envoy.bootstrap.internal_listener"
+INTERNAL_LISTENER_TYPE = (
+    "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"
+)
 DOWNSTREAM_CONN_MONITOR_TYPE = (
     "type.googleapis.com/envoy.extensions.resource_monitors."
     "downstream_connections.v3.DownstreamConnectionsConfig"
@@ -86,6 +92,11 @@ def build_bootstrap(
         "static_resources": {
             "clusters": [xds_cluster] + [proto_to_json(c) for c in static_clusters],
         },
+        # user-space internal listeners (envoy_internal_address) for mesh-<ns>
+        "bootstrap_extensions": [{
+            "name": INTERNAL_LISTENER_EXTENSION,
+            "typed_config": {"@type": INTERNAL_LISTENER_TYPE},
+        }],
         "overload_manager": {
             "resource_monitors": [
                 {

@@ -64,6 +64,8 @@ KIND_SPECS: dict[str, KindSpec] = {
         ),
         KindSpec("HTTPRoute", _GW, f"/apis/{_GW}/httproutes"),
         KindSpec("GRPCRoute", _GW, f"/apis/{_GW}/grpcroutes"),
+        KindSpec("ReferenceGrant", "gateway.networking.k8s.io/v1beta1",
+                 "/apis/gateway.networking.k8s.io/v1beta1/referencegrants"),
     )
 }
 MESH_KINDS: tuple[str, ...] = tuple(KIND_SPECS)
