@@ -165,6 +165,8 @@ class Agent:
         self.metrics = m
         self.handler.metrics = m
         sink: Any = self.sink
+        if hasattr(sink, "metrics"):
+            sink.metrics = m
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),

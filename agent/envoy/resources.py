@@ -1,21 +1,36 @@
 """Pure translation of node state into Envoy xDS resources (no I/O).
 
-One capture listener per pod, each opened inside the pod's network namespace through
-``SocketAddress.network_namespace_filepath``, so a single node-shared Envoy serves every
-pod on the same port (15001) without port clashes. Captured TCP goes through the
-``passthrough`` ORIGINAL_DST cluster whose upstream sockets carry SO_MARK, so the pod's
-redirect rule can RETURN Envoy's own traffic instead of looping it back.
+Two tiers of listeners, so per-pod config stays constant-size however many Services exist:
 
-In-scope Services (``NodeXdsState.services``) add, to every pod listener, one filter chain
-per (Service, port) matching its ClusterIPs (/32, /128) and port on the *original*
-destination (the ``original_dst`` listener filter restores it before chain matching), each
-proxying to the EDS cluster ``svc|<ns>|<name>|<port>``. The EDS resource has the same name.
-Anything else (pod IPs, out-of-scope destinations) takes the default ``passthrough`` chain,
-which also streams a gRPC access log to the agent so it can learn dependencies.
+* ``capture-<container id>``, one per captured pod, bound on the pod netns loopback (v4/v6,
+  port 15001) through ``SocketAddress.network_namespace_filepath``. It only runs the
+  ``original_dst`` listener filter and one chain: ``set_filter_state`` (the restored
+  destination and source as ``envoy.filters.listener.original_dst.local_ip`` / ``remote_ip``,
+  and the pod listener name as ``aether.capture_listener``, all shared with the upstream
+  connection once) + ``tcp_proxy`` to the cluster ``mesh-<pod namespace>``. Its size does not
+  depend on the Services.
+* ``mesh-<namespace>``, one Envoy *internal listener* per namespace that has captured pods on
+  this node, reached through the STATIC cluster of the same name whose only endpoint is the
+  ``envoy_internal_address`` of that listener and whose transport socket is
+  ``internal_upstream`` (it hands the shared filter state to the internal connection). Its
+  ``original_dst`` listener filter restores the pod's original destination from that filter
+  state, so chain matching, ``%DOWNSTREAM_LOCAL_ADDRESS%`` and the ORIGINAL_DST cluster all
+  see the real destination. It holds one filter chain per in-scope (Service, port) matching
+  its ClusterIPs (/32, /128) and port, proxying to the EDS cluster ``svc|<ns>|<name>|<port>``
+  (the EDS resource has the same name), and the default ``passthrough`` chain: the
+  ORIGINAL_DST cluster whose upstream sockets carry SO_MARK, so the pod's redirect rule can
+  RETURN Envoy's own traffic. The passthrough chain streams a gRPC access log to the agent
+  (dependency learning); the entry's ``listener`` tag is the pod listener name read back from
+  filter state. One listener per *caller* namespace leaves room for per-caller route tables
+  (GAMMA); while no chain depends on the caller, all of them share one chain table.
 
-``ResourceBuilder`` caches the protos per Service piece (chain, cluster, endpoints) and the
-shared chain table, so a push after one change rebuilds only that piece; callers must treat
-every returned proto as immutable (the xDS server memoises hashes by object identity).
+The bootstrap must enable the ``envoy.bootstrap.internal_listener`` extension.
+
+``ResourceBuilder`` caches the protos per Service piece (chain, cluster, endpoints), the
+chain table, the per-namespace listeners and the per-pod listeners, and returns the *same*
+dict objects for resource types whose inputs did not change, so a pod ADD costs one small
+listener whatever the number of Services. Callers must treat every returned proto and dict
+as immutable (the xDS server memoises hashes by object identity).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class EnvoySink:
                  hang_timeout: float = 15.0) -> None:
         self.hang_timeout = hang_timeout
         self.hang_kills = 0
+        self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
         self.node = node
         self.ack_timeout = ack_timeout
         self.dir = os.path.join(node.run_dir, "envoy")
@@ -189,9 +190,12 @@ class EnvoySink:
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str) -> None:
-        deadline = time.monotonic() + self.ack_timeout
+        started = time.monotonic()
+        deadline = started + self.ack_timeout
         while True:
             if self.xds.wait_acked(version, min(0.2, max(0.0, deadline - time.monotonic()))):
+                if self.metrics is not None:
+                    self.metrics.observe_xds_push(time.monotonic() - started)
                 return
             nack = self.xds.status().get("last_nack")
             if nack and str(nack.get("version")) == version:

@@ -1,0 +1,162 @@
+"""`python -m bench [--quick] [--write]`: run every benchmark, print one table, optionally
+rewrite bench/README.md with it. Each row is a figure beside its baseline measured in the same
+run, and the ratio: absolute numbers on a shared 2-vCPU machine mean little, ratios travel."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BENCHES: dict[str, dict[str, list[str]]] = {
+    "cni_add": {"full": ["--pods", "200", "--concurrency", "1,16"],
+                "quick": ["--pods", "20", "--concurrency", "1,4"]},
+    "envoy_path": {"full": ["--pods", "100", "--concurrency", "1,16", "--duration", "10"],
+                   "quick": ["--quick"]},
+    "xds_build": {"full": ["--services", "1000,10000", "--pods", "110"], "quick": ["--quick"]},
+}
+
+
+Row = tuple[str, str, str, str, str, str]  # bench, metric, value, baseline, ratio, verdict
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f} ms"
+
+
+def rows_cni_add(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for lv in d["levels"]:
+        c = lv["concurrency"]
+        out.append(("cni_add", f"ADD p50, concurrency {c}", _ms(lv["add"]["p50_ms"]),
+                    f"nft -f floor {_ms(lv['floor']['p50_ms'])}", f"{lv['ratio_p50']:.2f}×",
+                    ("PASS" if lv["target_met"] else "MISS") + " (≤ 2×)"))
+        out.append(("cni_add", f"ADD p99, concurrency {c}", _ms(lv["add"]["p99_ms"]),
+                    f"nft -f floor {_ms(lv['floor']['p99_ms'])}", f"{lv['ratio_p99']:.2f}×", "-"))
+    return out
+
+
+def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for lv in d["add"]["levels"]:
+        c = lv["concurrency"]
+        out.append(("envoy_path", f"ADD → listener live p50, conc {c}",
+                    _ms(lv["envoy_add"]["p50_ms"]), f"no-Envoy ADD {_ms(lv['no_envoy_add']['p50_ms'])}",
+                    f"{lv['ratio_p50']:.2f}×",
+                    f"{lv['liveness_failures']} dead listeners after ADD"))
+        out.append(("envoy_path", f"ADD → listener live p99, conc {c}",
+                    _ms(lv["envoy_add"]["p99_ms"]), f"no-Envoy ADD {_ms(lv['no_envoy_add']['p99_ms'])}",
+                    f"{lv['ratio_p99']:.2f}×", "-"))
+    dp = d["data_path"]
+    m = dp["mean"]
+    out.append(("envoy_path", "through capture, requests/s (1 KB)", f"{m['captured']['rps']:.0f}",
+                f"direct {m['direct']['rps']:.0f}", f"{dp['rps_ratio']:.2f}×",
+                ("PASS" if dp["rps_target_met"] else "MISS") + " (≥ 0.6×)"))
+    out.append(("envoy_path", "through capture, latency p50", _ms(m["captured"]["p50_ms"]),
+                f"direct {_ms(m['direct']['p50_ms'])}", f"+{dp['p50_delta_ms']:.2f} ms",
+                ("PASS" if dp["p50_target_met"] else "MISS") + " (≤ +0.3 ms)"))
+    return out
+
+
+def rows_xds_build(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for r in d.get("rows", []):
+        out.append(("xds_build", str(r.get("metric")), str(r.get("value")),
+                     str(r.get("baseline", "-")), str(r.get("ratio", "-")), str(r.get("verdict", "-"))))
+    return out
+
+
+ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build}
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} vCPU ({cpu}), kernel {platform.release()}, "
+            f"Python {platform.python_version()}")
+
+
+def table(rows: list[Row]) -> str:
+    head = ("benchmark", "figure", "value", "baseline (same run)", "ratio", "target")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(6)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small smoke sizes (CI)")
+    ap.add_argument("--only", help="comma-separated benchmarks to run")
+    ap.add_argument("--write", action="store_true", help="rewrite bench/README.md's results")
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    names = [n for n in BENCHES if not args.only or n in args.only.split(",")]
+    rows: list[Row] = []
+    commands: list[str] = []
+    failed: list[str] = []
+    outdir = tempfile.mkdtemp(prefix="aether-bench-")
+    for name in names:
+        if importlib.util.find_spec(f"bench.{name}") is None:
+            print(f"== {name}: not present, skipped", file=sys.stderr)
+            continue
+        out = os.path.join(outdir, f"{name}.json")
+        cmd = [sys.executable, "-m", f"bench.{name}", *BENCHES[name][mode], "--json", out]
+        shown = "python3 -m bench." + name + " " + " ".join(BENCHES[name][mode])
+        commands.append(shown)
+        print(f"== {shown}", file=sys.stderr, flush=True)
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc != 0 or not os.path.exists(out):
+            failed.append(name)
+            continue
+        with open(out) as f:
+            rows += ROWS[name](json.load(f))
+    text = table(rows)
+    print()
+    print(f"machine: {machine()}")
+    print(text)
+    if args.write:
+        write_readme(text, commands, mode)
+    if failed:
+        print(f"benchmarks that failed to run: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_readme(text: str, commands: list[str], mode: str) -> None:
+    path = os.path.join(HERE, "README.md")
+    with open(path) as f:
+        doc = f.read()
+    start, end = "<!-- results:start -->", "<!-- results:end -->"
+    stamp = datetime.date.today().isoformat()
+    block = (f"{start}\nRun on {stamp}, {machine()}, `python3 -m bench"
+             f"{' --quick' if mode == 'quick' else ''} --write` ({mode} sizes), which ran:\n\n"
+             + "\n".join(f"    {c}" for c in commands) + "\n\n" + text + f"\n{end}")
+    if start in doc and end in doc:
+        doc = doc[:doc.index(start)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc += "\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
