@@ -53,6 +53,10 @@ def test_shape_delta_default() -> None:
     opts = xds["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in opts["explicit_http_config"]
+    assert b["bootstrap_extensions"] == [{
+        "name": "envoy.bootstrap.internal_listener",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap."
+                                  "internal_listener.v3.InternalListener"}}]
     assert b["admin"]["address"] == {
         "socket_address": {"address": "127.0.0.1", "port_value": 15000}}
     (mon,) = b["overload_manager"]["resource_monitors"]
@@ -85,15 +89,19 @@ def _envoy() -> str:
 
 @pytest.mark.parametrize("delta", [True, False])
 def test_envoy_validates_bootstrap_with_built_resources(tmp_path: Path, delta: bool) -> None:
-    """``envoy --mode validate`` accepts bootstrap + listeners (Service chains, gRPC access
-    log) + passthrough and EDS-over-ADS Service clusters."""
+    """``envoy --mode validate`` accepts bootstrap (internal listener extension) + pod
+    listeners + the internal namespace listener (Service chains, gRPC access log) + its
+    internal cluster + passthrough and EDS-over-ADS Service clusters."""
     res = build(NodeXdsState(pods=(PodListener("a", "/var/run/netns/a"),
                                    PodListener("b", "/var/run/netns/b", ipv6=False)),
                              services=MESH_VIEWS))
-    assert len(res[LISTENER_TYPE]["capture-a"].filter_chains) == 3
+    assert len(res[LISTENER_TYPE]["mesh-default"].message().filter_chains) == 3
+    listeners = [getattr(lis, "message", lambda lis=lis: lis)()
+                 for lis in res[LISTENER_TYPE].values()]
     b = build_bootstrap("n", str(tmp_path / "xds.sock"), 15000, delta=delta,
-                        static_listeners=res[LISTENER_TYPE].values(),
-                        static_clusters=res[CLUSTER_TYPE].values())
+                        static_listeners=listeners,
+                        static_clusters=[getattr(c, "message", lambda c=c: c)()
+                                         for c in res[CLUSTER_TYPE].values()])
     p = tmp_path / "b.json"
     write_bootstrap(str(p), b)
     out = subprocess.run([_envoy(), "--mode", "validate", "-c", str(p), "-l", "warn"],
@@ -114,10 +122,10 @@ def test_envoy_validates_endpoints_as_static_load_assignment(tmp_path: Path) -> 
     statics = []
     for name, cla in res[ENDPOINT_TYPE].items():
         c = cluster_pb2.Cluster()
-        c.CopyFrom(res[CLUSTER_TYPE][name])
+        c.CopyFrom(res[CLUSTER_TYPE][name].message())
         c.ClearField("eds_cluster_config")
         c.type = cluster_pb2.Cluster.STATIC
-        c.load_assignment.CopyFrom(cla)
+        c.load_assignment.CopyFrom(cla.message())
         statics.append(c)
     b = build_bootstrap("n", str(tmp_path / "xds.sock"), 15000, static_clusters=statics,
                         dynamic=False)

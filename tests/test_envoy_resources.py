@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -10,7 +11,9 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
 
 from agent.envoy.resources import (
     CLUSTER_TYPE,
@@ -20,8 +23,12 @@ from agent.envoy.resources import (
     SOL_SOCKET,
     NodeXdsState,
     PodListener,
+    RawResource,
     ResourceBuilder,
+    build_namespace_listener,
     build_resources,
+    chain_for,
+    encode_chains,
     parse_service_cluster_name,
     resource_hash,
     service_cluster_name,
@@ -32,6 +39,15 @@ from agent.scope.services import ServicePort
 
 def _state(*pods: PodListener) -> NodeXdsState:
     return NodeXdsState(pods=pods)
+
+
+def _mesh(res: dict[str, dict[str, Any]], ns: str = "default") -> listener_pb2.Listener:
+    """The namespace's internal listener, parsed from the bytes the builder serves."""
+    raw = res[LISTENER_TYPE][f"mesh-{ns}"]
+    assert isinstance(raw, RawResource)
+    msg = raw.message()
+    assert isinstance(msg, listener_pb2.Listener)
+    return msg
 
 
 def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
@@ -47,13 +63,68 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
     assert (sa6.address, sa6.port_value) == ("::1", 15001)
     assert sa6.network_namespace_filepath == "/var/run/aether/netns/u1"
     assert [f.name for f in lis.listener_filters] == ["envoy.filters.listener.original_dst"]
-    (flt,) = lis.default_filter_chain.filters
+    # constant-size pod listener: hand over to the namespace's internal listener
+    assert not lis.filter_chains
+    sfs_f, tcp_f = lis.default_filter_chain.filters
+    assert sfs_f.name == "envoy.filters.network.set_filter_state"
+    sfs = set_filter_state_pb2.Config()
+    assert sfs_f.typed_config.Unpack(sfs)
+    assert [(v.object_key, v.format_string.text_format_source.inline_string, v.factory_key,
+             v.shared_with_upstream) for v in sfs.on_new_connection] == [
+        ("envoy.filters.listener.original_dst.local_ip", "%DOWNSTREAM_LOCAL_ADDRESS%", "", 1),
+        ("envoy.filters.listener.original_dst.remote_ip", "%DOWNSTREAM_REMOTE_ADDRESS%", "", 1),
+        ("aether.capture_listener", "capture-u1", "envoy.string", 1)]
+    tcp = tcp_proxy_pb2.TcpProxy()
+    assert tcp_f.typed_config.Unpack(tcp)
+    assert tcp.cluster == "mesh-default"
+    # the internal listener: original_dst (restores from filter state) + passthrough default
+    mesh = _mesh(res)
+    assert mesh.name == "mesh-default" and mesh.HasField("internal_listener")
+    assert not mesh.HasField("address")
+    assert [f.name for f in mesh.listener_filters] == ["envoy.filters.listener.original_dst"]
+    (flt,) = mesh.default_filter_chain.filters
     assert flt.name == "envoy.filters.network.tcp_proxy"
     tcp = tcp_proxy_pb2.TcpProxy()
     assert flt.typed_config.Unpack(tcp)
     assert (tcp.stat_prefix, tcp.cluster) == ("passthrough", "passthrough")
     assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.stdout",
                                                 "envoy.access_loggers.tcp_grpc"]
+
+
+def test_namespace_cluster_reaches_internal_listener() -> None:
+    res = build_resources(_state(PodListener("u1", "/n/1", namespace="shop"),
+                                 PodListener("u2", "/n/2", namespace="shop"),
+                                 PodListener("u3", "/n/3", namespace="ops")))
+    assert sorted(res[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3",
+                                          "mesh-ops", "mesh-shop"]
+    c = res[CLUSTER_TYPE]["mesh-shop"]
+    assert c.type == cluster_pb2.Cluster.STATIC
+    (lb,) = c.load_assignment.endpoints[0].lb_endpoints
+    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh-shop"
+    assert c.transport_socket.name == "envoy.transport_sockets.internal_upstream"
+    iu = internal_upstream_pb2.InternalUpstreamTransport()
+    assert c.transport_socket.typed_config.Unpack(iu)
+    assert iu.transport_socket.name == "envoy.transport_sockets.raw_buffer"
+    assert sorted(res[CLUSTER_TYPE]) == ["mesh-ops", "mesh-shop", "passthrough"]
+
+
+def test_pod_listener_size_does_not_depend_on_services() -> None:
+    pod = PodListener("p", "/n")
+    small = build_resources(_svc_state(pods=(pod,)))
+    views = tuple(_view(f"s{i}", ips=(f"10.96.1.{i}",)) for i in range(50))
+    big = build_resources(_svc_state(*views, pods=(pod,)))
+    assert resource_hash(small[LISTENER_TYPE]["capture-p"]) == resource_hash(
+        big[LISTENER_TYPE]["capture-p"])
+    assert len(_mesh(big).filter_chains) == 50
+
+
+def test_namespace_listener_bytes_equal_the_proto() -> None:
+    view = _view()
+    chains = [chain_for(view, p) for p in view.ports]
+    raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"]
+    proto = build_namespace_listener("default", chains)
+    assert raw.message() == proto
+    assert encode_chains([]) == b""
 
 
 @pytest.mark.parametrize(("v4", "v6", "want"), [(True, False, ["127.0.0.1"]),
@@ -80,6 +151,7 @@ def test_passthrough_cluster_original_dst_with_so_mark() -> None:
     st = NodeXdsState(pods=(), passthrough_mark=0xAE, connect_timeout_s=2.5)
     res = build_resources(st)
     assert res[LISTENER_TYPE] == {}
+    assert list(res[CLUSTER_TYPE]) == ["passthrough"]  # no pods: no namespace listener
     c = res[CLUSTER_TYPE]["passthrough"]
     assert c.type == cluster_pb2.Cluster.ORIGINAL_DST
     assert c.lb_policy == cluster_pb2.Cluster.CLUSTER_PROVIDED
@@ -95,7 +167,7 @@ def test_deterministic_and_sorted() -> None:
     pods = [PodListener(f"u{i}", f"/n/{i}") for i in (3, 1, 2)]
     a = build_resources(_state(*pods))
     b = build_resources(_state(*reversed(pods)))
-    assert list(a[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3"]
+    assert list(a[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3", "mesh-default"]
     for t in (LISTENER_TYPE, CLUSTER_TYPE):
         assert list(a[t]) == list(b[t])
         for name in a[t]:
@@ -123,10 +195,10 @@ def _ep(ip: str, port: int = 8080, ready: bool = True, draining: bool = False) -
 
 def _view(name: str = "web", ips: tuple[str, ...] = ("10.96.0.10", "fd00:96::a"),
           ports: tuple[ServicePort, ...] = (ServicePort(80, "http", target_port=8080),),
-          eps: dict[int, tuple[Endpoint, ...]] | None = None) -> ServiceView:
+          eps: Mapping[int, tuple[Endpoint, ...]] | None = None) -> ServiceView:
     return ServiceView(key=f"mesh/{name}", namespace="mesh", name=name, cluster_ips=ips,
                        ports=ports, names=(f"{name}.mesh.svc.cluster.local",),
-                       endpoints=eps if eps is not None else {80: (_ep("10.1.0.5"),)})
+                       endpoints=dict(eps) if eps is not None else {80: (_ep("10.1.0.5"),)})
 
 
 def _svc_state(*views: ServiceView, pods: tuple[PodListener, ...] = (PodListener("p", "/n"),)
@@ -134,7 +206,9 @@ def _svc_state(*views: ServiceView, pods: tuple[PodListener, ...] = (PodListener
     return NodeXdsState(pods=pods, services=views)
 
 
-def _chains(lis: listener_pb2.Listener) -> dict[str, list[tuple[str, int, int]]]:
+def _chains(lis: Any) -> dict[str, list[tuple[str, int, int]]]:
+    if isinstance(lis, RawResource):
+        lis = lis.message()
     return {c.name: [(r.address_prefix, r.prefix_len.value, c.filter_chain_match
                       .destination_port.value) for r in c.filter_chain_match.prefix_ranges]
             for c in lis.filter_chains}
@@ -151,7 +225,7 @@ def test_chain_per_service_port_dual_stack_to_eds_cluster() -> None:
     ports = (ServicePort(80, "http", target_port=8080), ServicePort(443, "https"),
              ServicePort(53, "dns", protocol="UDP"))
     res = build_resources(_svc_state(_view(ports=ports)))
-    lis = res[LISTENER_TYPE]["capture-p"]
+    lis = _mesh(res)
     assert _chains(lis) == {
         "svc|mesh|web|80": [("10.96.0.10", 32, 80), ("fd00:96::a", 128, 80)],
         "svc|mesh|web|443": [("10.96.0.10", 32, 443), ("fd00:96::a", 128, 443)],
@@ -163,7 +237,8 @@ def test_chain_per_service_port_dual_stack_to_eds_cluster() -> None:
     # the passthrough default chain is unchanged and still there
     assert lis.default_filter_chain.name == "passthrough"
     assert [f.name for f in lis.listener_filters] == ["envoy.filters.listener.original_dst"]
-    assert sorted(res[CLUSTER_TYPE]) == ["passthrough", "svc|mesh|web|443", "svc|mesh|web|80"]
+    assert sorted(res[CLUSTER_TYPE]) == ["mesh-default", "passthrough", "svc|mesh|web|443",
+                                         "svc|mesh|web|80"]
     assert sorted(res[ENDPOINT_TYPE]) == ["svc|mesh|web|443", "svc|mesh|web|80"]
     c = res[CLUSTER_TYPE]["svc|mesh|web|80"]
     assert c.type == cluster_pb2.Cluster.EDS
@@ -176,7 +251,7 @@ def test_chain_per_service_port_dual_stack_to_eds_cluster() -> None:
 def test_pod_ips_are_not_matched_and_headless_has_no_chain() -> None:
     eps = {80: (_ep("10.1.0.5"), _ep("fd00:1::5"))}
     res = build_resources(_svc_state(_view(eps=eps), _view("db", ips=(), eps=eps)))
-    lis = res[LISTENER_TYPE]["capture-p"]
+    lis = _mesh(res)
     prefixes = {p for rows in _chains(lis).values() for p, _, _ in rows}
     assert prefixes == {"10.96.0.10", "fd00:96::a"}
     assert "svc|mesh|db|80" not in _chains(lis)
@@ -185,7 +260,7 @@ def test_pod_ips_are_not_matched_and_headless_has_no_chain() -> None:
 
 def test_clashing_cluster_ip_keeps_first_service_only() -> None:
     res = build_resources(_svc_state(_view("a"), _view("b")))
-    assert list(_chains(res[LISTENER_TYPE]["capture-p"])) == ["svc|mesh|a|80"]
+    assert list(_chains(res[LISTENER_TYPE]["mesh-default"])) == ["svc|mesh|a|80"]
 
 
 @pytest.mark.parametrize(("ready", "draining", "want"), [
@@ -201,7 +276,7 @@ def test_health_mapping(ready: bool, draining: bool, want: str) -> None:
 def test_endpoint_address_and_identity_metadata_sorted_unique() -> None:
     eps = {80: (_ep("10.1.0.9", 9090), _ep("10.1.0.5"), _ep("10.1.0.5"), _ep("fd00:1::5"))}
     cla = build_resources(_svc_state(_view(eps=eps)))[ENDPOINT_TYPE]["svc|mesh|web|80"]
-    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    assert isinstance(cla.message(), endpoint_pb2.ClusterLoadAssignment)
     assert cla.cluster_name == "svc|mesh|web|80"
     lbs = cla.endpoints[0].lb_endpoints
     assert [(lb.endpoint.address.socket_address.address,
@@ -231,37 +306,73 @@ def test_service_add_touches_clusters_eds_and_listeners_only_for_it() -> None:
     a = _hashes(build_resources(_svc_state(_view()), b))
     z = _hashes(build_resources(_svc_state(_view(), _view("db", ips=("10.96.0.20",))), b))
     diff = {(t, n) for t in a for n in set(a[t]) | set(z[t]) if a[t].get(n) != z[t].get(n)}
+    # the pod listener is untouched: only the namespace's internal listener gets the chain
     assert diff == {(CLUSTER_TYPE, "svc|mesh|db|80"), (ENDPOINT_TYPE, "svc|mesh|db|80"),
-                    (LISTENER_TYPE, "capture-p")}
+                    (LISTENER_TYPE, "mesh-default")}
 
 
-def test_builder_reuses_protos_and_shares_chains_across_pods() -> None:
+def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
     b = ResourceBuilder()
-    pods = (PodListener("p1", "/n/1"), PodListener("p2", "/n/2", ipv6=False))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", ipv6=False,
+                                                                 namespace="b"))
     view = _view()
     r1 = b.build(_svc_state(view, pods=pods))
-    l1, l2 = r1[LISTENER_TYPE]["capture-p1"], r1[LISTENER_TYPE]["capture-p2"]
+    l1, l2 = r1[LISTENER_TYPE]["mesh-a"].message(), r1[LISTENER_TYPE]["mesh-b"].message()
     assert [c.SerializeToString(deterministic=True) for c in l1.filter_chains] == [
         c.SerializeToString(deterministic=True) for c in l2.filter_chains]
-    # identical inputs: identical objects (the xDS server memoises hashes by identity)
+    # identical inputs: identical objects and dicts (the xDS server memoises by identity)
     r2 = b.build(_svc_state(view, pods=pods))
     for t in r1:
         for n in r1[t]:
             assert r2[t][n] is r1[t][n]
+    assert r2[CLUSTER_TYPE] is r1[CLUSTER_TYPE] and r2[ENDPOINT_TYPE] is r1[ENDPOINT_TYPE]
     # endpoints only: listeners and clusters are the same objects, only the CLA is new
     view2 = _view(eps={80: (_ep("10.1.0.7"),)})
     r3 = b.build(_svc_state(view2, pods=pods))
-    assert r3[LISTENER_TYPE]["capture-p1"] is l1
-    assert r3[CLUSTER_TYPE]["svc|mesh|web|80"] is r1[CLUSTER_TYPE]["svc|mesh|web|80"]
+    assert r3[LISTENER_TYPE]["mesh-a"] is r1[LISTENER_TYPE]["mesh-a"]
+    assert r3[CLUSTER_TYPE] is r1[CLUSTER_TYPE]
     assert r3[ENDPOINT_TYPE]["svc|mesh|web|80"] is not r1[ENDPOINT_TYPE]["svc|mesh|web|80"]
+    # a pod added to an existing namespace: one new listener, everything else reused
+    r5 = b.build(_svc_state(view2, pods=pods + (PodListener("p3", "/n/3", namespace="a"),)))
+    assert [n for n in r5[LISTENER_TYPE] if r5[LISTENER_TYPE][n] is not r3[LISTENER_TYPE].get(n)
+            ] == ["capture-p3"]
+    assert r5[CLUSTER_TYPE] is r3[CLUSTER_TYPE] and r5[ENDPOINT_TYPE] is r3[ENDPOINT_TYPE]
     # a removed Service leaves everything
     r4 = b.build(_svc_state(pods=pods))
-    assert list(r4[CLUSTER_TYPE]) == ["passthrough"] and r4[ENDPOINT_TYPE] == {}
-    assert len(r4[LISTENER_TYPE]["capture-p1"].filter_chains) == 0
+    assert list(r4[CLUSTER_TYPE]) == ["mesh-a", "mesh-b", "passthrough"]
+    assert r4[ENDPOINT_TYPE] == {}
+    assert len(r4[LISTENER_TYPE]["mesh-a"].message().filter_chains) == 0
+
+
+def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port whose chain varies by caller namespace gets one chain per mesh-<ns>."""
+    import agent.envoy.resources as r
+
+    calls: list[str | None] = []
+
+    def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None) -> Any:
+        calls.append(caller_ns)
+        c = r.service_chain(view, port)
+        c.name = f"{c.name}|{caller_ns}"
+        return [c]
+
+    monkeypatch.setattr(r, "chain_varies_by_caller", lambda v, p: v.name == "web")
+    monkeypatch.setattr(r, "chain_for", chain)
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    b = ResourceBuilder()
+    views = (_view(), _view("db", ips=("10.96.0.20",)))
+    res = b.build(_svc_state(*views, pods=pods))
+    assert sorted(_chains(res[LISTENER_TYPE]["mesh-a"])) == ["svc|mesh|db|80|None",
+                                                             "svc|mesh|web|80|a"]
+    assert sorted(_chains(res[LISTENER_TYPE]["mesh-b"])) == ["svc|mesh|db|80|None",
+                                                             "svc|mesh|web|80|b"]
+    assert sorted(calls, key=str) == [None, "a", "b"]
+    b.build(_svc_state(*views, pods=pods))
+    assert len(calls) == 3  # cached per caller
 
 
 def test_passthrough_grpc_access_log_config() -> None:
-    lis = build_resources(_svc_state())[LISTENER_TYPE]["capture-p"]
+    lis = _mesh(build_resources(_svc_state()))
     tcp = tcp_proxy_pb2.TcpProxy()
     assert lis.default_filter_chain.filters[0].typed_config.Unpack(tcp)
     cfg = als_pb2.TcpGrpcAccessLogConfig()
@@ -270,9 +381,11 @@ def test_passthrough_grpc_access_log_config() -> None:
     assert cc.log_name == "aether-passthrough"
     assert cc.grpc_service.envoy_grpc.cluster_name == "xds"
     assert cc.transport_api_version == 2  # V3
-    assert [(t.tag, t.value) for t in cc.custom_tags] == [("listener", "%LISTENER_NAME%")]
+    # the pod listener name travels as filter state; the internal listener's own name too
+    assert [(t.tag, t.value) for t in cc.custom_tags] == [
+        ("listener", "%FILTER_STATE(aether.capture_listener:PLAIN)%"),
+        ("mesh_listener", "%LISTENER_NAME%")]
     off = NodeXdsState(pods=(PodListener("p", "/n"),), learn_access_log=False)
     tcp2 = tcp_proxy_pb2.TcpProxy()
-    assert build_resources(off)[LISTENER_TYPE]["capture-p"].default_filter_chain.filters[
-        0].typed_config.Unpack(tcp2)
+    assert _mesh(build_resources(off)).default_filter_chain.filters[0].typed_config.Unpack(tcp2)
     assert [a.name for a in tcp2.access_log] == ["envoy.access_loggers.stdout"]

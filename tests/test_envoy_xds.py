@@ -124,7 +124,7 @@ def test_sotw_ack_nack_and_stale_nonce(server: XdsServer) -> None:
         c.send(_sotw_req(CLUSTER_TYPE, cds.version_info, cds.nonce))
         c.send(_sotw_req(LISTENER_TYPE))
         lds = c.recv()
-        assert _names(lds) == ["capture-a"] and lds.version_info == v1
+        assert _names(lds) == ["capture-a", "mesh-default"] and lds.version_info == v1
         assert not server.wait_acked(v1, 0.2)  # LDS not yet ACKed
         c.send(_sotw_req(LISTENER_TYPE, lds.version_info, lds.nonce))
         assert server.wait_acked(v1, TIMEOUT)
@@ -133,7 +133,8 @@ def test_sotw_ack_nack_and_stale_nonce(server: XdsServer) -> None:
         v2 = server.set_state(_state("a", "b"))
         lds2 = c.recv()
         assert lds2.type_url == LISTENER_TYPE
-        assert _names(lds2) == ["capture-a", "capture-b"] and lds2.nonce != lds.nonce
+        assert _names(lds2) == ["capture-a", "capture-b", "mesh-default"]
+        assert lds2.nonce != lds.nonce
         # Stale nonce with an "ACK" must not count.
         c.send(_sotw_req(LISTENER_TYPE, v2, lds.nonce))
         assert not server.wait_acked(v2, 0.3)
@@ -165,11 +166,11 @@ def test_delta_adds_one_listener_and_removes(server: XdsServer) -> None:
     try:
         c.send(_delta_req(CLUSTER_TYPE))
         cds = c.recv()
-        assert [r.name for r in cds.resources] == ["passthrough"]
+        assert [r.name for r in cds.resources] == ["mesh-default", "passthrough"]
         c.send(_delta_req(CLUSTER_TYPE, cds.nonce))
         c.send(_delta_req(LISTENER_TYPE))
         lds = c.recv()
-        assert [r.name for r in lds.resources] == ["capture-a", "capture-b"]
+        assert [r.name for r in lds.resources] == ["capture-a", "capture-b", "mesh-default"]
         c.send(_delta_req(LISTENER_TYPE, lds.nonce))
 
         v = server.set_state(_state("a", "b", "c"))
@@ -205,7 +206,8 @@ def test_delta_initial_resource_versions_honoured(server: XdsServer) -> None:
     server.set_state(_state("a", "c"))
     c2 = Client(server.socket_path, delta=True)
     try:
-        init = {"capture-a": have["capture-a"], "capture-b": have["capture-b"]}
+        init = {"capture-a": have["capture-a"], "capture-b": have["capture-b"],
+                "mesh-default": have["mesh-default"]}
         c2.send(_delta_req(LISTENER_TYPE, initial=init))
         resp = c2.recv()
         assert [r.name for r in resp.resources] == ["capture-c"]
@@ -319,7 +321,7 @@ def test_delta_eds_by_name_endpoint_change_pushes_only_eds(server: XdsServer) ->
     try:
         c.send(_delta_req(CLUSTER_TYPE))
         cds = c.recv()
-        assert sorted(r.name for r in cds.resources) == ["passthrough", DB, WEB]
+        assert sorted(r.name for r in cds.resources) == ["mesh-default", "passthrough", DB, WEB]
         c.send(_delta_req(CLUSTER_TYPE, cds.nonce))
         c.send(_delta_req(ENDPOINT_TYPE, sub=(WEB,)))
         eds = c.recv()

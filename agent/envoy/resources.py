@@ -26,7 +26,10 @@ Two tiers of listeners, so per-pod config stays constant-size however many Servi
 
 The bootstrap must enable the ``envoy.bootstrap.internal_listener`` extension.
 
-``ResourceBuilder`` caches the protos per Service piece (chain, cluster, endpoints), the
+Big or numerous resources (namespace listeners, per-Service clusters and endpoints) are held
+serialized as ``RawResource`` (``.message()`` parses one back).
+
+``ResourceBuilder`` caches the pieces per Service (chain, cluster, endpoints), the
 chain table, the per-namespace listeners and the per-pod listeners, and returns the *same*
 dict objects for resource types whose inputs did not change, so a pod ADD costs one small
 listener whatever the number of Services. Callers must treat every returned proto and dict
@@ -38,13 +41,16 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-from dataclasses import dataclass
-from typing import Any
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import (
     address_pb2,
+    base_pb2,
     config_source_pb2,
     grpc_service_pb2,
     health_check_pb2,
@@ -55,8 +61,12 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
 from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
+from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
+from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
 from google.protobuf import duration_pb2, struct_pb2
 from google.protobuf.message import Message
@@ -70,25 +80,45 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 PASSTHROUGH_CLUSTER = "passthrough"
 LISTENER_PREFIX = "capture-"
+# Internal listener (and the STATIC cluster reaching it) per caller namespace.
+NAMESPACE_LISTENER_PREFIX = "mesh-"
+DEFAULT_NAMESPACE = "default"
 SERVICE_CLUSTER_PREFIX = "svc|"
 # The bootstrap's unix-socket cluster to the agent (ADS and the access log service).
 AGENT_GRPC_CLUSTER = "xds"
 ALS_LOG_NAME = "aether-passthrough"
-# Custom tag on every ALS entry naming the pod listener that accepted the connection.
+# Custom tags on every ALS entry: the pod listener that accepted the connection (from filter
+# state) and the internal listener that logged it.
 ALS_LISTENER_TAG = "listener"
+ALS_MESH_LISTENER_TAG = "mesh_listener"
 METADATA_NAMESPACE = "aether"
+
+# Filter state handed from a pod listener to its namespace's internal listener.
+ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
+ORIGINAL_DST_REMOTE_STATE = "envoy.filters.listener.original_dst.remote_ip"
+CAPTURE_LISTENER_STATE = "aether.capture_listener"
+STRING_STATE_FACTORY = "envoy.string"
+CAPTURE_LISTENER_FORMAT = f"%FILTER_STATE({CAPTURE_LISTENER_STATE}:PLAIN)%"
 
 log = logging.getLogger("agent.envoy.resources")
 
 SOL_SOCKET = 1
 SO_MARK = 36
 
-# %DOWNSTREAM_LOCAL_ADDRESS% is the original destination once original_dst has run.
+# %DOWNSTREAM_LOCAL_ADDRESS% is the original destination once original_dst has run (in the
+# internal listener: restored from the filter state the pod listener passed along).
+# ``listener=`` is the pod's capture listener (filter state), ``mesh=`` the internal one.
 ACCESS_LOG_FORMAT = (
-    "[%START_TIME%] listener=%LISTENER_NAME% %DOWNSTREAM_REMOTE_ADDRESS% -> "
+    f"[%START_TIME%] listener={CAPTURE_LISTENER_FORMAT} mesh=%LISTENER_NAME% "
+    "%DOWNSTREAM_REMOTE_ADDRESS% -> "
     "%DOWNSTREAM_LOCAL_ADDRESS% upstream=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% "
     "rx=%BYTES_RECEIVED% tx=%BYTES_SENT% dur=%DURATION%ms\n"
 )
+
+
+def namespace_listener_name(namespace: str) -> str:
+    """``mesh-<ns>``: the internal listener (and its cluster) for callers in ``namespace``."""
+    return f"{NAMESPACE_LISTENER_PREFIX}{namespace or DEFAULT_NAMESPACE}"
 
 
 @dataclass(frozen=True)
@@ -99,10 +129,16 @@ class PodListener:
     netns_path: str
     ipv4: bool = True
     ipv6: bool = True
+    # The pod's namespace: picks the internal listener (caller-namespace chain table).
+    namespace: str = DEFAULT_NAMESPACE
 
     @property
     def listener_name(self) -> str:
         return f"{LISTENER_PREFIX}{self.uid}"
+
+    @property
+    def mesh_listener_name(self) -> str:
+        return namespace_listener_name(self.namespace)
 
 
 @dataclass(frozen=True)
@@ -113,7 +149,9 @@ class NodeXdsState:
     capture_port: int = CAPTURE_PORT
     passthrough_mark: int = PASSTHROUGH_MARK
     connect_timeout_s: float = 5.0
-    # In-scope Services (agent.scope.model views): chains, EDS clusters and endpoints.
+    # In-scope Services (agent.scope.model views): chains, EDS clusters and endpoints. Pass
+    # the same tuple (or the same view objects) when they did not change: the builder then
+    # skips them entirely.
     services: tuple[ServiceView, ...] = ()
     # Stream passthrough connections to the agent's access log service (dependency learning).
     learn_access_log: bool = True
@@ -160,8 +198,10 @@ def _access_log() -> accesslog_pb2.AccessLog:
 def _grpc_access_log() -> accesslog_pb2.AccessLog:
     """TCP gRPC access log to the agent over the bootstrap's ``xds`` unix-socket cluster.
 
-    The config is identical in every pod listener (the listener name comes from a formatter
-    tag, not a literal), so Envoy shares one logger and one stream per worker thread.
+    The config is identical in every namespace listener (names come from formatter tags,
+    not literals), so Envoy shares one logger and one stream per worker thread. The
+    ``listener`` tag is the pod listener (filter state set by it), ``mesh_listener`` the
+    internal listener that logged the connection.
     """
     common = als_pb2.CommonGrpcAccessLogConfig(
         log_name=ALS_LOG_NAME,
@@ -169,7 +209,10 @@ def _grpc_access_log() -> accesslog_pb2.AccessLog:
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)
         ),
-        custom_tags=[custom_tag_pb2.CustomTag(tag=ALS_LISTENER_TAG, value="%LISTENER_NAME%")],
+        custom_tags=[
+            custom_tag_pb2.CustomTag(tag=ALS_LISTENER_TAG, value=CAPTURE_LISTENER_FORMAT),
+            custom_tag_pb2.CustomTag(tag=ALS_MESH_LISTENER_TAG, value="%LISTENER_NAME%"),
+        ],
     )
     log = accesslog_pb2.AccessLog(name="envoy.access_loggers.tcp_grpc")
     log.typed_config.Pack(als_pb2.TcpGrpcAccessLogConfig(common_config=common))
@@ -221,8 +264,26 @@ def service_chain(view: ServiceView, port: ServicePort) -> listener_components_p
     )
 
 
-def chain_for(view: ServiceView, port: ServicePort) -> listener_components_pb2.FilterChain:
-    """Chain builder dispatch (one place for L7 variants to hook in by appProtocol)."""
+ChainResult: TypeAlias = (
+    "listener_components_pb2.FilterChain | Sequence[listener_components_pb2.FilterChain]")
+
+
+def chain_varies_by_caller(view: ServiceView, port: ServicePort) -> bool:
+    """Whether ``chain_for`` can differ by caller namespace for this Service port.
+
+    False: the chain is built once (``caller_ns=None``) and shared by every namespace
+    listener. True: built once per namespace listener (per-caller GAMMA route tables).
+    """
+    return False
+
+
+def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None) -> ChainResult:
+    """Chain builder dispatch (one place for L7 variants to hook in by appProtocol).
+
+    ``caller_ns`` is the namespace of the calling pods (the ``mesh-<ns>`` listener), or None
+    for a chain shared by all callers (see ``chain_varies_by_caller``). May return one chain
+    or several (e.g. HTTP + L4 fallback); all must match only this Service port.
+    """
     return service_chain(view, port)
 
 
@@ -288,42 +349,160 @@ def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...]
     return cla
 
 
-def build_listener(pod: PodListener, capture_port: int, *,
-                   chains: tuple[listener_components_pb2.FilterChain, ...] = (),
-                   learn_access_log: bool = True) -> listener_pb2.Listener:
-    """Capture listener on loopback of the pod's netns (v4 and/or v6)."""
-    template = _listener_template(chains, learn_access_log)
-    return _pod_listener(template, pod, capture_port)
-
-
-def _listener_template(chains: tuple[listener_components_pb2.FilterChain, ...],
-                       learn_access_log: bool) -> listener_pb2.Listener:
-    """Everything pod-independent; copied per pod (C-level CopyFrom, no Python rebuild)."""
+def _original_dst_filter() -> listener_components_pb2.ListenerFilter:
     odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
     odst.typed_config.Pack(original_dst_pb2.OriginalDst())
-    listener = listener_pb2.Listener(
-        listener_filters=[odst],
-        filter_chains=chains,
-        default_filter_chain=passthrough_chain(learn_access_log),
+    return odst
+
+
+def _state_value(key: str, fmt: str, factory: str = "") -> value_pb2.FilterStateValue:
+    return value_pb2.FilterStateValue(
+        object_key=key,
+        factory_key=factory,
+        format_string=substitution_format_string_pb2.SubstitutionFormatString(
+            text_format_source={"inline_string": fmt}),
+        shared_with_upstream=value_pb2.FilterStateValue.ONCE,
     )
+
+
+def _capture_chain(pod: PodListener) -> listener_components_pb2.FilterChain:
+    """Hand the connection, its original destination/source and the pod listener name to
+    the pod namespace's internal listener (filter state shared with the upstream once)."""
+    sfs = set_filter_state_pb2.Config(on_new_connection=[
+        _state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
+        _state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
+        _state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
+    ])
+    state_filter = listener_components_pb2.Filter(name="envoy.filters.network.set_filter_state")
+    state_filter.typed_config.Pack(sfs)
+    return listener_components_pb2.FilterChain(
+        name="capture",
+        filters=[state_filter, _tcp_proxy_filter("capture", pod.mesh_listener_name)],
+    )
+
+
+def build_listener(pod: PodListener, capture_port: int) -> listener_pb2.Listener:
+    """The pod's capture listener on the loopbacks of its netns (v4 and/or v6): constant
+    size, independent of the Services (they live in the namespace's internal listener)."""
+    ips = (["127.0.0.1"] if pod.ipv4 else []) + (["::1"] if pod.ipv6 else [])
+    if not ips:
+        raise ValueError(f"pod {pod.uid}: at least one of ipv4/ipv6 must be enabled")
+    addrs = [_socket_address(ip, capture_port, pod.netns_path) for ip in ips]
+    listener = listener_pb2.Listener(
+        name=pod.listener_name,
+        stat_prefix=pod.listener_name,
+        address=addrs[0],
+        listener_filters=[_original_dst_filter()],
+        default_filter_chain=_capture_chain(pod),
+    )
+    for a in addrs[1:]:
+        listener.additional_addresses.add().address.CopyFrom(a)
     listener.bind_to_port.value = True
     return listener
 
 
-def _pod_listener(template: listener_pb2.Listener, pod: PodListener, capture_port: int
-                  ) -> listener_pb2.Listener:
-    ips = ([("127.0.0.1")] if pod.ipv4 else []) + (["::1"] if pod.ipv6 else [])
-    if not ips:
-        raise ValueError(f"pod {pod.uid}: at least one of ipv4/ipv6 must be enabled")
-    addrs = [_socket_address(ip, capture_port, pod.netns_path) for ip in ips]
-    listener = listener_pb2.Listener()
-    listener.CopyFrom(template)
-    listener.name = pod.listener_name
-    listener.stat_prefix = pod.listener_name
-    listener.address.CopyFrom(addrs[0])
-    for a in addrs[1:]:
-        listener.additional_addresses.add().address.CopyFrom(a)
-    return listener
+# Listener.filter_chains is field 3, length-delimited: tag byte 3 << 3 | 2.
+_FILTER_CHAINS_TAG = bytes([3 << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_chains(chains: Sequence[listener_components_pb2.FilterChain]) -> bytes:
+    """``chains`` as the wire bytes of ``Listener.filter_chains`` entries (deterministic).
+
+    Protobuf wire format lets repeated fields be appended in any position, so a namespace
+    listener is its small head serialized + the concatenated chain bytes of every Service:
+    the 10k-chain listener is assembled with one ``bytes.join`` and never exists as a proto.
+    """
+    out = []
+    for c in chains:
+        data = c.SerializeToString(deterministic=True)
+        out += [_FILTER_CHAINS_TAG, _varint(len(data)), data]
+    return b"".join(out)
+
+
+class RawResource:
+    """A resource held as its serialized bytes (the big namespace listeners).
+
+    Quacks enough like the proto for the xDS server (``SerializeToString``, ``ByteSize``,
+    ``name``); ``message()`` parses a fresh proto (and attribute access falls back to it,
+    for tests and debugging: each access parses, so do not use it on hot paths).
+    """
+
+    __slots__ = ("name", "data", "cls")
+
+    def __init__(self, cls: type[Message], name: str, data: bytes) -> None:
+        self.cls = cls
+        self.name = name
+        self.data = data
+
+    def SerializeToString(self, deterministic: bool = False) -> bytes:  # noqa: N802 - proto API
+        return self.data
+
+    def ByteSize(self) -> int:  # noqa: N802 - proto API
+        return len(self.data)
+
+    def message(self) -> Any:
+        msg = self.cls()
+        msg.ParseFromString(self.data)
+        return msg
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.message(), attr)
+
+    def __repr__(self) -> str:
+        return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
+
+
+def _namespace_head(namespace: str, learn_access_log: bool) -> bytes:
+    """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
+    name = namespace_listener_name(namespace)
+    return listener_pb2.Listener(
+        name=name,
+        stat_prefix=name,
+        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
+        listener_filters=[_original_dst_filter()],
+        default_filter_chain=passthrough_chain(learn_access_log),
+    ).SerializeToString(deterministic=True)
+
+
+def build_namespace_listener(namespace: str,
+                             chains: Sequence[listener_components_pb2.FilterChain] = (),
+                             learn_access_log: bool = True) -> listener_pb2.Listener:
+    """Internal listener ``mesh-<ns>``: Service chains on the restored destination, then
+    the passthrough default chain (parsed from the same bytes the builder serves)."""
+    return listener_pb2.Listener.FromString(
+        _namespace_head(namespace, learn_access_log) + encode_chains(chains))
+
+
+def build_namespace_cluster(namespace: str, connect_timeout_s: float) -> cluster_pb2.Cluster:
+    """STATIC cluster ``mesh-<ns>`` whose only host is the internal listener ``mesh-<ns>``;
+    ``internal_upstream`` passes the pod listener's shared filter state along."""
+    name = namespace_listener_name(namespace)
+    raw = base_pb2.TransportSocket(name="envoy.transport_sockets.raw_buffer")
+    raw.typed_config.Pack(raw_buffer_pb2.RawBuffer())
+    ts = base_pb2.TransportSocket(name="envoy.transport_sockets.internal_upstream")
+    ts.typed_config.Pack(internal_upstream_pb2.InternalUpstreamTransport(transport_socket=raw))
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
+    cla.endpoints.add().lb_endpoints.add().endpoint.address.envoy_internal_address \
+        .server_listener_name = name
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_duration(connect_timeout_s),
+        load_assignment=cla,
+        transport_socket=ts,
+    )
 
 
 def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb2.Cluster:
@@ -331,6 +510,8 @@ def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb
 
     The mark rides in ``upstream_bind_config.socket_options`` *without* a source_address:
     Envoy then applies the options but does not bind, so IPv4 and IPv6 upstreams both work.
+    Used from the internal listeners, where the destination is the one ``original_dst``
+    restored from filter state.
     """
     opt = socket_option_pb2.SocketOption(
         description="SO_MARK passthrough",
@@ -349,28 +530,70 @@ def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb
     return cluster
 
 
+def _as_chains(result: ChainResult) -> tuple[listener_components_pb2.FilterChain, ...]:
+    if isinstance(result, listener_components_pb2.FilterChain):
+        return (result,)
+    return tuple(result)
+
+
 @dataclass
 class _ServiceEntry:
     """Cached protos for one Service; each piece is keyed by exactly what it depends on."""
 
     view: ServiceView
     chain_key: tuple[Any, ...]
-    chains: tuple[listener_components_pb2.FilterChain, ...]
+    # per TCP port: (ClusterIP:port claims, shared chain bytes or None when caller-specific)
+    ports: tuple[tuple[ServicePort, tuple[tuple[str, int], ...], bytes | None], ...]
     cluster_key: tuple[Any, ...]
-    clusters: dict[str, cluster_pb2.Cluster]
-    eds: dict[str, tuple[tuple[Endpoint, ...], endpoint_pb2.ClusterLoadAssignment]]
+    clusters: dict[str, RawResource]
+    eds: dict[str, tuple[tuple[Endpoint, ...], RawResource]]
+    # caller namespace -> port -> chain bytes, for ports whose chains vary by caller
+    per_caller: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
+
+@dataclass
+class _ServiceTables:
+    """The outcome of one pass over the Services (reused while they are the same objects)."""
+
+    views: tuple[ServiceView, ...]
+    timeout: float
+    clusters: dict[str, Message]
+    assignments: dict[str, Message]
+    # (entry, port, shared chain bytes or None) in table order, clash-free
+    rows: list[tuple[_ServiceEntry, ServicePort, bytes | None]]
+    shared: bytes | None  # every row's chains; None: some rows are per caller
+
+
+def _raw(msg: Message, name: str) -> RawResource:
+    """Per-Service clusters and endpoints are kept serialized: 10k of them as upb protos
+    cost ~80 MB, as bytes ~5 MB."""
+    return RawResource(type(msg), name, msg.SerializeToString(deterministic=True))
+
+
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _same_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(map(operator.is_, a.values(), b.values()))
 
 
 class ResourceBuilder:
-    """Incremental ``build_resources``: unchanged Services and the shared chain table are
-    reused, so protos (and their identities) stay put unless their inputs changed."""
+    """Incremental ``build_resources``: unchanged Services, chain tables, namespace listeners
+    and pod listeners are reused, so protos (and their identities, and the dicts holding
+    them) stay put unless their inputs changed."""
 
     def __init__(self) -> None:
         self._services: dict[str, _ServiceEntry] = {}
-        self._table_key: tuple[Any, ...] | None = None
-        self._template: listener_pb2.Listener | None = None
-        self._listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
+        self._tables: _ServiceTables | None = None
+        # caller namespace -> (chain table bytes, learn flag, listener)
+        self._ns_listeners: dict[str, tuple[bytes, bool, RawResource]] = {}
+        self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
+        self._pod_listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
+        self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
+
+    # ---- Services ------------------------------------------------------------------------
 
     def _service(self, view: ServiceView, timeout: float) -> _ServiceEntry:
         old = self._services.get(view.key)
@@ -378,32 +601,45 @@ class ResourceBuilder:
             return old
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
         chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports)
-        if old is not None and old.chain_key == chain_key:
-            chains = old.chains
+        per_caller: dict[str, dict[int, bytes]] = {}
+        if old is not None and old.chain_key == chain_key and not old.per_caller \
+                and all(c is not None for _, _, c in old.ports):
+            ports = old.ports
         else:
-            chains = tuple(chain_for(view, p) for p in tcp_ports) if view.cluster_ips else ()
+            cidrs = [c for c in map(_cidr, view.cluster_ips) if c is not None]
+            rows = []
+            for p in tcp_ports if cidrs else ():
+                claims = tuple((c.address_prefix, p.port) for c in cidrs)
+                shared = (None if chain_varies_by_caller(view, p)
+                          else encode_chains(_as_chains(chain_for(view, p, None))))
+                rows.append((p, claims, shared))
+            ports = tuple(rows)
         cluster_key = (view.namespace, view.name, tuple(p.port for p in tcp_ports), timeout)
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
-            clusters = {service_cluster_name(view.namespace, view.name, p.port):
-                        build_service_cluster(view, p.port, timeout) for p in tcp_ports}
+            clusters = {n: _raw(build_service_cluster(view, p.port, timeout), n)
+                        for p in tcp_ports
+                        for n in [service_cluster_name(view.namespace, view.name, p.port)]}
         eds = {}
         for p in tcp_ports:
             name = service_cluster_name(view.namespace, view.name, p.port)
             eps = view.endpoints.get(p.port, ())
             prev = old.eds.get(name) if old is not None else None
             eds[name] = prev if prev is not None and prev[0] == eps else (
-                eps, build_load_assignment(name, eps))
-        entry = _ServiceEntry(view, chain_key, chains, cluster_key, clusters, eds)
+                eps, _raw(build_load_assignment(name, eps), name))
+        entry = _ServiceEntry(view, chain_key, ports, cluster_key, clusters, eds, per_caller)
         self._services[view.key] = entry
         return entry
 
-    def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
-        """type_url -> {resource name: proto}; ordered by name so output is deterministic."""
+    def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
+        old = self._tables
+        if old is not None and old.timeout == state.connect_timeout_s \
+                and _same(old.views, state.services):
+            return old
         clusters: dict[str, Message] = {}
         assignments: dict[str, Message] = {}
-        chains: list[listener_components_pb2.FilterChain] = []
+        rows: list[tuple[_ServiceEntry, ServicePort, bytes | None]] = []
         claimed: dict[tuple[str, int], str] = {}
         live: set[str] = set()
         for view in sorted(state.services, key=lambda v: v.key):
@@ -413,47 +649,116 @@ class ResourceBuilder:
             entry = self._service(view, state.connect_timeout_s)
             clusters.update(entry.clusters)
             assignments.update((n, cla) for n, (_, cla) in entry.eds.items())
-            for chain in entry.chains:
-                m = chain.filter_chain_match
-                keys = [(r.address_prefix, m.destination_port.value) for r in m.prefix_ranges]
-                clash = sorted({claimed[k] for k in keys if k in claimed})
-                if clash:  # two Services claiming one ClusterIP:port would NACK every listener
-                    log.warning("service %s: %s already served by %s; chain skipped",
-                                view.key, chain.name, ",".join(clash))
+            for port, claims, chains in entry.ports:
+                clash = sorted({claimed[k] for k in claims if k in claimed})
+                if clash:  # two Services claiming one ClusterIP:port would NACK the listener
+                    log.warning("service %s: %s already served by %s; chain skipped", view.key,
+                                service_cluster_name(view.namespace, view.name, port.port),
+                                ",".join(clash))
                     continue
-                claimed.update((k, view.key) for k in keys)
-                chains.append(chain)
+                claimed.update((k, view.key) for k in claims)
+                rows.append((entry, port, chains))
         for key in [k for k in self._services if k not in live]:
             del self._services[key]
+        shared: bytes | None = None
+        if all(c is not None for _, _, c in rows):
+            flat = b"".join(c or b"" for _, _, c in rows)
+            prev = old.shared if old is not None else None
+            shared = prev if prev is not None and prev == flat else flat
+        tables = _ServiceTables(tuple(state.services), state.connect_timeout_s,
+                                dict(sorted(clusters.items())), dict(sorted(assignments.items())),
+                                rows, shared)
+        if old is not None:  # same objects: keep the dict identity too (cheap to publish)
+            if _same_dict(old.assignments, tables.assignments):
+                tables.assignments = old.assignments
+            if _same_dict(old.clusters, tables.clusters):
+                tables.clusters = old.clusters
+        self._tables = tables
+        return tables
 
-        pt_key = (state.passthrough_mark, state.connect_timeout_s)
-        if self._passthrough is None or self._passthrough[0] != pt_key:
-            self._passthrough = (pt_key, build_passthrough_cluster(*pt_key))
-        clusters[PASSTHROUGH_CLUSTER] = self._passthrough[1]
+    def _caller_table(self, tables: _ServiceTables, ns: str) -> bytes:
+        if tables.shared is not None:
+            return tables.shared
+        out: list[bytes] = []
+        for entry, port, chains in tables.rows:
+            if chains is None:
+                mine = entry.per_caller.setdefault(ns, {})
+                got = mine.get(port.port)
+                if got is None:
+                    got = mine[port.port] = encode_chains(_as_chains(chain_for(entry.view, port, ns)))
+                chains = got
+            out.append(chains)
+        table = b"".join(out)
+        prev = self._ns_listeners.get(ns)
+        return prev[0] if prev is not None and prev[0] == table else table
 
-        table_key = (tuple(id(c) for c in chains), state.learn_access_log)
-        if table_key != self._table_key or self._template is None:
-            self._template = _listener_template(tuple(chains), state.learn_access_log)
-            self._table_key = table_key
-            self._listeners = {}
+    # ---- listeners -----------------------------------------------------------------------
+
+    def _namespace_listener(self, ns: str, table: bytes, learn: bool) -> RawResource:
+        prev = self._ns_listeners.get(ns)
+        if prev is not None and prev[0] is table and prev[1] == learn:
+            return prev[2]
+        lis = RawResource(listener_pb2.Listener, namespace_listener_name(ns),
+                          _namespace_head(ns, learn) + table)
+        self._ns_listeners[ns] = (table, learn, lis)
+        return lis
+
+    def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
+        """type_url -> {resource name: proto}; ordered by name so output is deterministic."""
+        tables = self._service_tables(state)
+
+        pods = sorted(state.pods, key=lambda p: p.uid)
+        namespaces = sorted({p.namespace or DEFAULT_NAMESPACE for p in pods})
+        ns_listeners: dict[str, RawResource] = {}
+        for ns in namespaces:
+            table = self._caller_table(tables, ns)
+            ns_listeners[namespace_listener_name(ns)] = self._namespace_listener(
+                ns, table, state.learn_access_log)
+        for ns in [n for n in self._ns_listeners if n not in namespaces]:
+            del self._ns_listeners[ns]
+        for e in self._services.values():
+            for ns in [n for n in e.per_caller if n not in namespaces]:
+                del e.per_caller[ns]
+
         seen: set[str] = set()
         listeners: dict[str, Message] = {}
         cache: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
-        for pod in sorted(state.pods, key=lambda p: p.uid):
+        for pod in pods:
             if pod.uid in seen:
                 raise ValueError(f"duplicate pod uid {pod.uid}")
             seen.add(pod.uid)
             k = (pod, state.capture_port)
-            lis = self._listeners.get(k)
+            lis = self._pod_listeners.get(k)
             if lis is None:
-                lis = _pod_listener(self._template, pod, state.capture_port)
+                lis = build_listener(pod, state.capture_port)
             cache[k] = lis
             listeners[pod.listener_name] = lis
-        self._listeners = cache
+        self._pod_listeners = cache
+        listeners.update(ns_listeners)
+
+        pt_key = (state.passthrough_mark, state.connect_timeout_s)
+        if self._passthrough is None or self._passthrough[0] != pt_key:
+            self._passthrough = (pt_key, build_passthrough_cluster(*pt_key))
+        ns_clusters = {}
+        for ns in namespaces:
+            ck = (ns, state.connect_timeout_s)
+            c = self._ns_clusters.get(ck)
+            if c is None:
+                c = self._ns_clusters[ck] = build_namespace_cluster(ns, state.connect_timeout_s)
+            ns_clusters[c.name] = c
+        self._ns_clusters = {k: c for k, c in self._ns_clusters.items() if c.name in ns_clusters
+                             and k[1] == state.connect_timeout_s}
+        out_key = (id(tables.clusters), id(self._passthrough[1]),
+                   tuple(id(c) for c in ns_clusters.values()))
+        if self._cluster_out is None or self._cluster_out[0] != out_key:
+            clusters = dict(tables.clusters)
+            clusters[PASSTHROUGH_CLUSTER] = self._passthrough[1]
+            clusters.update(ns_clusters)
+            self._cluster_out = (out_key, dict(sorted(clusters.items())))
         return {
-            CLUSTER_TYPE: dict(sorted(clusters.items())),
-            ENDPOINT_TYPE: dict(sorted(assignments.items())),
-            LISTENER_TYPE: listeners,
+            CLUSTER_TYPE: self._cluster_out[1],
+            ENDPOINT_TYPE: tables.assignments,
+            LISTENER_TYPE: dict(sorted(listeners.items())),
         }
 
 
@@ -463,6 +768,6 @@ def build_resources(state: NodeXdsState, builder: ResourceBuilder | None = None
     return (builder or ResourceBuilder()).build(state)
 
 
-def resource_hash(msg: Message) -> str:
+def resource_hash(msg: Message | RawResource) -> str:
     """Stable content hash used as the per-resource version in delta xDS."""
     return hashlib.sha256(msg.SerializeToString(deterministic=True)).hexdigest()[:16]

@@ -72,7 +72,8 @@ class EnvoySink:
         with self._lock:
             for pod in pods:
                 self._pods[pod.container_id] = PodListener(uid=pod.container_id,
-                                                           netns_path=pod.netns)
+                                                           netns_path=pod.netns,
+                                                           namespace=pod.namespace)
 
     def start(self) -> None:
         self.supervisor.check_version()
@@ -208,7 +209,7 @@ class EnvoySink:
 
     def add_pod(self, pod: CapturedPod) -> None:
         # Both loopbacks exist in every netns: bind both so neither family is refused.
-        listener = PodListener(uid=pod.container_id, netns_path=pod.netns)
+        listener = PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace)
         with self._lock:
             self._pods[pod.container_id] = listener
             version = self._publish()

@@ -39,6 +39,7 @@ from agent.envoy.resources import (
     ENDPOINT_TYPE,
     LISTENER_TYPE,
     NodeXdsState,
+    RawResource,
     ResourceBuilder,
     resource_hash,
 )
@@ -49,6 +50,15 @@ TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
 NAMED_TYPES = frozenset({ENDPOINT_TYPE})
 
 Resources = dict[str, dict[str, Message]]
+
+
+def _pack(dst: Any, type_url: str, msg: Message | RawResource) -> None:
+    """Pack into an ``Any``; pre-serialized resources are copied in as they are."""
+    if isinstance(msg, RawResource):
+        dst.type_url = type_url
+        dst.value = msg.data
+    else:
+        dst.Pack(msg)
 
 
 @dataclass
@@ -89,8 +99,10 @@ class XdsServer:
         self.als = AccessLogServicer(on_access, log=self.log)
         self._builder = ResourceBuilder()
         self._publish_lock = threading.RLock()
-        # id(proto) -> (proto, hash): resources the builder reused are not re-serialised.
-        self._hash_memo: dict[int, tuple[Message, str]] = {}
+        # type -> id(proto) -> (proto, hash): resources the builder reused are not
+        # re-serialised; _built: the builder's last output dicts (identity = unchanged).
+        self._hash_memo: dict[str, dict[int, tuple[Message, str]]] = {}
+        self._built: dict[str, dict[str, Message]] = {}
         self._cv = threading.Condition()
         self._version = 0
         self._snap = _Snapshot(0, {t: {} for t in TYPE_ORDER}, {t: {} for t in TYPE_ORDER})
@@ -163,34 +175,45 @@ class XdsServer:
                 res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
                 for lis in extra_listeners:
                     res[LISTENER_TYPE][lis.name] = lis
-            return self.set_raw_resources(res)
+            # The builder returns the very same (never mutated) dict for a type whose
+            # inputs did not change: its hashes are reused without touching 10k entries.
+            same = {t for t in TYPE_ORDER if res.get(t) is self._built.get(t)}
+            self._built = {t: res.get(t, {}) for t in TYPE_ORDER}
+            return self._publish(res, self._hashes(res, same))
 
-    def _hashes(self, resources: Resources) -> dict[str, dict[str, str]]:
-        """Per-resource hashes, memoised by proto identity (protos are never mutated)."""
-        memo: dict[int, tuple[Message, str]] = {}
+    def _hashes(self, resources: Resources, same: Iterable[str] = ()
+                ) -> dict[str, dict[str, str]]:
+        """Per-resource hashes, memoised by proto identity (protos are never mutated);
+        types in ``same`` keep the current snapshot's hashes wholesale."""
         out: dict[str, dict[str, str]] = {}
+        same = set(same)
         for t in TYPE_ORDER:
+            if t in same:
+                out[t] = self._snap.hashes[t]
+                continue
+            old = self._hash_memo.get(t, {})
+            memo: dict[int, tuple[Message, str]] = {}
             hs = out[t] = {}
             for n, m in resources.get(t, {}).items():
-                hit = self._hash_memo.get(id(m))
+                hit = old.get(id(m))
                 h = hit[1] if hit is not None and hit[0] is m else resource_hash(m)
                 memo[id(m)] = (m, h)
                 hs[n] = h
-        self._hash_memo = memo
+            self._hash_memo[t] = memo
         return out
 
     def set_raw_resources(self, resources: Resources) -> str:
         """Publish an arbitrary {type_url: {name: proto}} snapshot (CDS, EDS, LDS)."""
         with self._publish_lock:
-            hashes = self._hashes(resources)
-            return self._publish(resources, hashes)
+            self._built = {}
+            return self._publish(resources, self._hashes(resources))
 
     def _publish(self, resources: Resources, hashes: dict[str, dict[str, str]]) -> str:
         with self._cv:
             self._version += 1
             v = self._version
             old = self._snap.hashes
-            changed = {t for t in TYPE_ORDER if hashes[t] != old[t]}
+            changed = {t for t in TYPE_ORDER if hashes[t] is not old[t] and hashes[t] != old[t]}
             for t in changed:
                 self._changed_at[t] = v
             req = dict(self._changed_at)
@@ -199,7 +222,9 @@ class XdsServer:
                     req[t] = 0
             self._required[v] = req
             self._required.pop(v - 10000, None)
-            self._snap = _Snapshot(v, {t: dict(resources.get(t, {})) for t in TYPE_ORDER}, hashes)
+            prev = self._snap.resources
+            self._snap = _Snapshot(v, {t: prev[t] if hashes[t] is old[t] else dict(resources.get(t, {}))
+                                       for t in TYPE_ORDER}, hashes)
             for st in self._streams.values():
                 for t in TYPE_ORDER:
                     if t in changed and t in st.subscribed and not self._push(st, t):
@@ -312,7 +337,7 @@ class XdsServer:
             )
             for n in changed:
                 r = d.resources.add(name=n, version=cur[n])
-                r.resource.Pack(snap.resources[type_url][n])
+                _pack(r.resource, type_url, snap.resources[type_url][n])
             st.have[type_url] = dict(cur)
             resp = d
             self.log.debug("stream %d delta %s v%d: +%d -%d", st.sid, type_url,
@@ -324,7 +349,7 @@ class XdsServer:
                 type_url=type_url, version_info=str(snap.version), nonce=nonce
             )
             for n in sorted(cur):
-                s.resources.add().Pack(snap.resources[type_url][n])
+                _pack(s.resources.add(), type_url, snap.resources[type_url][n])
             st.have[type_url] = dict(cur)
             resp = s
         st.last_nonce[type_url] = nonce
