@@ -111,7 +111,8 @@ class Agent:
     def _start_mesh(self) -> None:
         o = self.options
         self.mesh = MeshRuntime(self.node, mesh_domain=o.mesh_domain, trust_domain=o.trust_domain,
-                                scope_all=o.scope_all, learn_ttl=o.learn_ttl)
+                                scope_all=o.scope_all, learn_ttl=o.learn_ttl,
+                                controller_name=o.gamma_controller_name)
         watcher: Any = None
         if o.manifests:
             from agent.source.watch import ManifestWatcher
@@ -190,7 +191,8 @@ class Agent:
 
     def _start_route_status(self, watcher: Any) -> None:
         """GAMMA route status: one writer cluster-wide (Lease), every agent routes."""
-        from agent.gamma.conditions import statuses_from_store
+        from agent.gamma.conditions import adopt_records
+        from agent.scope.gamma import build_tables
         from agent.gamma.lease import LeaseElector
         from agent.gamma.status import StatusLoop, StatusWriter
         from agent.gamma.xmesh import XMeshPublisher
@@ -200,8 +202,15 @@ class Agent:
         o = self.options
         gapi, ctrl, objects = api_client(o.kubeconfig), o.gamma_controller_name, self.mesh.objects
         self.gamma_lease = LeaseElector(gapi, self.node.node_name, namespace=o.daemonset_namespace)
+        mesh = self.mesh
+
+        def compute() -> list[Any]:
+            # the same tables the proxy is given: status says what the data plane does
+            result = build_tables(mesh.owned_routes(), mesh.model.services.get)
+            return adopt_records(result.statuses, objects, ctrl)
+
         self.gamma_status = StatusLoop(
-            lambda: statuses_from_store(objects, ctrl), StatusWriter(gapi, ctrl, self.gamma_lease),
+            compute, StatusWriter(gapi, ctrl, self.gamma_lease),
             xmesh=XMeshPublisher(gapi, ctrl, self.node.node_name, lease=self.gamma_lease))
         status_loop = self.gamma_status
         self.gamma_lease.on_change = lambda _l: status_loop.mark_dirty()

@@ -13,10 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from agent.config import NodeConfig
+from agent.gamma.ownership import owns
+from agent.scope.gamma import build_tables
 from agent.scope.model import MeshModel, ServiceView
+from agent.scope.routes import Route
 from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
@@ -26,7 +30,7 @@ log = logging.getLogger("aether.mesh")
 
 
 class ServiceSink(Protocol):
-    def set_services(self, views: list[ServiceView]) -> Any: ...
+    def set_services(self, views: list[ServiceView], gamma: Any = None) -> Any: ...
 
 
 class Watcher(Protocol):
@@ -39,7 +43,10 @@ class Watcher(Protocol):
 class MeshRuntime:
     def __init__(self, node: NodeConfig, *, mesh_domain: str = "aether.internal",
                  trust_domain: str = "cluster.local", scope_all: bool = False,
-                 learn_ttl: float = 600.0, debounce_s: float = 0.05) -> None:
+                 learn_ttl: float = 600.0, debounce_s: float = 0.05,
+                 controller_name: str = "aether.io/mesh") -> None:
+        self.controller_name = controller_name
+        self.gamma: Any = None  # the last GammaResult, reused while the tables are equal
         self.objects = ObjectStore()
         self.model = MeshModel(mesh_domain, trust_domain, node.node_name, node=node,
                                scope_all=scope_all, learn_ttl=learn_ttl)
@@ -114,12 +121,34 @@ class MeshRuntime:
             self._dirty.set()  # refreshed TTL; cheap no-op push if nothing changed
 
     # -- output ----------------------------------------------------------------------------
+    def owned_routes(self) -> list[Route]:
+        """Routes narrowed to the Service parents aether owns (docs/ownership.md): a parent
+        another mesh controller owns is never programmed by us."""
+        out: list[Route] = []
+        for route in self.model.routes.all():
+            parents = tuple(
+                p for p in route.parents
+                if owns(route.obj, self.objects.get("Service", p.namespace, p.name),
+                        self.objects.get("Namespace", "", p.namespace), self.controller_name)[0])
+            if parents:
+                out.append(route if parents == route.parents else replace(route, parents=parents))
+        return out
+
+    def compute_gamma(self) -> Any:
+        result = build_tables(self.owned_routes(), self.model.services.get)
+        old = self.gamma
+        if old is not None and old.tables == result.tables:
+            old.statuses, old.conflicts = result.statuses, result.conflicts
+            return old  # same tables: the same object, so the xDS builder reuses chains
+        self.gamma = result
+        return result
+
     def publish_now(self) -> None:
         if self.sink is None:
             return
         t0 = time.monotonic()
         views = self.model.in_scope_services()
-        self.sink.set_services(views)
+        self.sink.set_services(views, self.compute_gamma())
         self.pushes += 1
         self.last_push_s = time.monotonic() - t0
 

@@ -598,8 +598,8 @@ class GammaNode:
                     filters = [f.get("name", "?") for f in node.get("filters", [])]
                     chains.append(f"{listener}: chain {node.get('name', '?')} "
                                   f"match={json.dumps(node['filter_chain_match'])} filters={filters}")
-                name = node.get("name") if isinstance(node.get("name"), str) and "address" in node \
-                    else listener
+                is_listener = isinstance(node.get("name"), str) and "filter_chains" in node
+                name = node["name"] if is_listener else listener
                 for v in node.values():
                     walk(v, name)
             elif isinstance(node, list):

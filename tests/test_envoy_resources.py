@@ -350,13 +350,14 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[str | None] = []
 
-    def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None) -> Any:
+    def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
+              gamma: Any = None) -> Any:
         calls.append(caller_ns)
         c = r.service_chain(view, port)
         c.name = f"{c.name}|{caller_ns}"
         return [c]
 
-    monkeypatch.setattr(r, "chain_varies_by_caller", lambda v, p: v.name == "web")
+    monkeypatch.setattr(r, "chain_varies_by_caller", lambda v, p, g=None: v.name == "web")
     monkeypatch.setattr(r, "chain_for", chain)
     pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
     b = ResourceBuilder()

@@ -155,6 +155,9 @@ class NodeXdsState:
     services: tuple[ServiceView, ...] = ()
     # Stream passthrough connections to the agent's access log service (dependency learning).
     learn_access_log: bool = True
+    # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
+    # same object while routes are unchanged, so unchanged chains are reused.
+    gamma: Any = None
 
 
 def service_cluster_name(namespace: str, name: str, port: int) -> str:
@@ -268,29 +271,66 @@ ChainResult: TypeAlias = (
     "listener_components_pb2.FilterChain | Sequence[listener_components_pb2.FilterChain]")
 
 
-def chain_varies_by_caller(view: ServiceView, port: ServicePort) -> bool:
+def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = None) -> bool:
     """Whether ``chain_for`` can differ by caller namespace for this Service port.
 
     False: the chain is built once (``caller_ns=None``) and shared by every namespace
-    listener. True: built once per namespace listener (per-caller GAMMA route tables).
+    listener. True: built once per namespace listener — a consumer route (GEP-1294) gives
+    the callers in its namespace their own table for this target.
     """
-    return False
+    return gamma is not None and bool(gamma.consumer_namespaces(view.key, port.port))
 
 
-def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None) -> ChainResult:
-    """Chain builder dispatch (one place for L7 variants to hook in by appProtocol).
+def _tcp_chain(view: ServiceView, port: ServicePort) -> listener_components_pb2.FilterChain:
+    return service_chain(view, port)
+
+
+def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
+              gamma: Any = None) -> ChainResult:
+    """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
+    attach to this Service port (by appProtocol; http_inspector detection when unset).
 
     ``caller_ns`` is the namespace of the calling pods (the ``mesh-<ns>`` listener), or None
     for a chain shared by all callers (see ``chain_varies_by_caller``). May return one chain
-    or several (e.g. HTTP + L4 fallback); all must match only this Service port.
+    or several (HTTP + L4 fallback); all match only this Service port.
     """
-    return service_chain(view, port)
+    if gamma is None:
+        return service_chain(view, port)
+    from agent.envoy.http_routes import service_port_chains
+
+    table = (gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
+             else gamma.tables.get((view.key, port.port, None)))
+    return service_port_chains(view, port, table, tcp_chain=_tcp_chain,
+                               cluster_name=service_cluster_name)
+
+
+def gamma_signature(gamma: Any, key: str) -> tuple[Any, ...]:
+    """What of the GAMMA result one Service's chains depend on (compared by value)."""
+    if gamma is None:
+        return ()
+    return tuple(sorted(((p, s or ""), t) for (k, p, s), t in gamma.tables.items() if k == key))
+
+
+def detect_ports(gamma: Any, services: Sequence[ServiceView]) -> tuple[int, ...]:
+    """Destination ports where http_inspector must run: routed ports with no appProtocol."""
+    if gamma is None:
+        return ()
+    from agent.envoy.http_routes import port_protocol
+
+    routed = {(k, p) for (k, p, _s) in gamma.tables}
+    out = {sp.port for v in services for sp in v.ports
+           if (v.key, sp.port) in routed and port_protocol(sp) == "detect"}
+    return tuple(sorted(out))
 
 
 def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
                           ) -> cluster_pb2.Cluster:
     """EDS cluster over ADS. Panic mode is off so DRAINING/UNHEALTHY hosts never get
-    new connections even when most hosts are out (Kubernetes readiness semantics)."""
+    new connections even when most hosts are out (Kubernetes readiness semantics). It also
+    carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
+    backends); tcp_proxy ignores it."""
+    from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
+
     name = service_cluster_name(view.namespace, view.name, port)
     cluster = cluster_pb2.Cluster(
         name=name,
@@ -306,6 +346,9 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
         ),
     )
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
+    sp = next((p for p in view.ports if p.port == port), None)
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
+        upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
     return cluster
 
 
@@ -464,16 +507,26 @@ class RawResource:
         return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
 
 
-def _namespace_head(namespace: str, learn_access_log: bool) -> bytes:
+def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = ()) -> bytes:
     """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
     name = namespace_listener_name(namespace)
-    return listener_pb2.Listener(
+    filters = [_original_dst_filter()]
+    if detect:
+        from agent.envoy.http_routes import http_inspector_listener_filter
+
+        inspector = http_inspector_listener_filter(detect)
+        if inspector is not None:
+            filters.append(inspector)
+    lis = listener_pb2.Listener(
         name=name,
         stat_prefix=name,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=[_original_dst_filter()],
+        listener_filters=filters,
         default_filter_chain=passthrough_chain(learn_access_log),
-    ).SerializeToString(deterministic=True)
+    )
+    if detect:
+        lis.continue_on_listener_filters_timeout = True
+    return lis.SerializeToString(deterministic=True)
 
 
 def build_namespace_listener(namespace: str,
@@ -562,6 +615,7 @@ class _ServiceTables:
     # (entry, port, shared chain bytes or None) in table order, clash-free
     rows: list[tuple[_ServiceEntry, ServicePort, bytes | None]]
     shared: bytes | None  # every row's chains; None: some rows are per caller
+    gamma: Any = None
 
 
 def _raw(msg: Message, name: str) -> RawResource:
@@ -587,20 +641,24 @@ class ResourceBuilder:
         self._services: dict[str, _ServiceEntry] = {}
         self._tables: _ServiceTables | None = None
         # caller namespace -> (chain table bytes, learn flag, listener)
-        self._ns_listeners: dict[str, tuple[bytes, bool, RawResource]] = {}
+        self._ns_listeners: dict[str, tuple[bytes, tuple[bool, tuple[int, ...]], RawResource]] = {}
         self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
         self._pod_listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
         self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
+        self._gamma: Any = None
+        self._detect: tuple[int, ...] = ()
 
     # ---- Services ------------------------------------------------------------------------
 
     def _service(self, view: ServiceView, timeout: float) -> _ServiceEntry:
         old = self._services.get(view.key)
-        if old is not None and old.view is view and old.cluster_key[-1] == timeout:
+        sig = gamma_signature(self._gamma, view.key)
+        if old is not None and old.view is view and old.cluster_key[-1] == timeout \
+                and old.chain_key[-1] == sig:
             return old
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
-        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports)
+        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -610,11 +668,12 @@ class ResourceBuilder:
             rows = []
             for p in tcp_ports if cidrs else ():
                 claims = tuple((c.address_prefix, p.port) for c in cidrs)
-                shared = (None if chain_varies_by_caller(view, p)
-                          else encode_chains(_as_chains(chain_for(view, p, None))))
+                shared = (None if chain_varies_by_caller(view, p, self._gamma)
+                          else encode_chains(_as_chains(chain_for(view, p, None, self._gamma))))
                 rows.append((p, claims, shared))
             ports = tuple(rows)
-        cluster_key = (view.namespace, view.name, tuple(p.port for p in tcp_ports), timeout)
+        cluster_key = (view.namespace, view.name,
+                       tuple((p.port, p.app_protocol) for p in tcp_ports), timeout)
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
@@ -635,7 +694,7 @@ class ResourceBuilder:
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
         if old is not None and old.timeout == state.connect_timeout_s \
-                and _same(old.views, state.services):
+                and _same(old.views, state.services) and old.gamma is state.gamma:
             return old
         clusters: dict[str, Message] = {}
         assignments: dict[str, Message] = {}
@@ -667,7 +726,7 @@ class ResourceBuilder:
             shared = prev if prev is not None and prev == flat else flat
         tables = _ServiceTables(tuple(state.services), state.connect_timeout_s,
                                 dict(sorted(clusters.items())), dict(sorted(assignments.items())),
-                                rows, shared)
+                                rows, shared, state.gamma)
         if old is not None:  # same objects: keep the dict identity too (cheap to publish)
             if _same_dict(old.assignments, tables.assignments):
                 tables.assignments = old.assignments
@@ -685,7 +744,8 @@ class ResourceBuilder:
                 mine = entry.per_caller.setdefault(ns, {})
                 got = mine.get(port.port)
                 if got is None:
-                    got = mine[port.port] = encode_chains(_as_chains(chain_for(entry.view, port, ns)))
+                    got = mine[port.port] = encode_chains(
+                        _as_chains(chain_for(entry.view, port, ns, self._gamma)))
                 chains = got
             out.append(chains)
         table = b"".join(out)
@@ -696,15 +756,18 @@ class ResourceBuilder:
 
     def _namespace_listener(self, ns: str, table: bytes, learn: bool) -> RawResource:
         prev = self._ns_listeners.get(ns)
-        if prev is not None and prev[0] is table and prev[1] == learn:
+        if prev is not None and prev[0] is table and prev[1] == (learn, self._detect):
             return prev[2]
         lis = RawResource(listener_pb2.Listener, namespace_listener_name(ns),
-                          _namespace_head(ns, learn) + table)
-        self._ns_listeners[ns] = (table, learn, lis)
+                          _namespace_head(ns, learn, self._detect) + table)
+        self._ns_listeners[ns] = (table, (learn, self._detect), lis)
         return lis
 
     def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
         """type_url -> {resource name: proto}; ordered by name so output is deterministic."""
+        if state.gamma is not self._gamma:
+            self._gamma = state.gamma
+            self._detect = detect_ports(state.gamma, state.services)
         tables = self._service_tables(state)
 
         pods = sorted(state.pods, key=lambda p: p.uid)

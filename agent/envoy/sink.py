@@ -60,6 +60,7 @@ class EnvoySink:
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
         self._services: tuple[Any, ...] = ()
+        self._gamma: Any = None
         self._lock = threading.Lock()
         self._adopted: psutil.Process | None = None
         self._adopt_watch: threading.Thread | None = None
@@ -187,7 +188,7 @@ class EnvoySink:
         state = NodeXdsState(pods=tuple(self._pods.values()),
                              capture_port=self.node.capture_port,
                              passthrough_mark=self.node.passthrough_mark,
-                             services=self._services)
+                             services=self._services, gamma=self._gamma)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str) -> None:
@@ -215,11 +216,15 @@ class EnvoySink:
             version = self._publish()
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
 
-    def set_services(self, views: list[Any]) -> str:
-        """The in-scope Services changed (mesh model): rebuild chains, clusters and EDS.
+    def set_services(self, views: list[Any], gamma: Any = None) -> str:
+        """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
         Not awaited: a pod's ADD waits for its own listener, not for the mesh config."""
         with self._lock:
+            if len(views) == len(self._services) and all(
+                    a is b for a, b in zip(views, self._services, strict=True)):
+                views = list(self._services)  # unchanged: keep the tuple the builder cached
             self._services = tuple(views)
+            self._gamma = gamma
             return self._publish()
 
     def set_access_callback(self, cb: Callable[[str, int], None] | None) -> None:
