@@ -50,6 +50,7 @@ class MeshRuntime:
         self.objects = ObjectStore()
         self.model = MeshModel(mesh_domain, trust_domain, node.node_name, node=node,
                                scope_all=scope_all, learn_ttl=learn_ttl)
+        self.model.defer_scope = True  # the publisher reads the scope once per debounce
         self.sink: ServiceSink | None = None
         self.watcher: Watcher | None = None
         self.debounce_s = debounce_s

@@ -83,6 +83,9 @@ class _Slice:
     ports: dict[str, int]
 
 
+SCOPE_CHANGED = "*scope*"  # in a deferred result: the served set may have moved
+
+
 class MeshModel:
     """Registry + catalogs + dependency set, fed by WatchEvents (see module docstring)."""
 
@@ -113,6 +116,9 @@ class MeshModel:
         self._scope: set[str] = set()
         self._scope_dirty = False
         self._views: dict[str, ServiceView] = {}
+        # Set by a long-running owner that reads the scope on a debounce (MeshRuntime): scope
+        # recomputation then happens once per read instead of once per event.
+        self.defer_scope = False
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -184,12 +190,12 @@ class MeshModel:
 
     def in_scope_keys(self) -> set[str]:
         with self._lock:
-            self._finish(set())
+            self._settle(set())
             return set(self._scope)
 
     def in_scope_services(self) -> list[ServiceView]:
         with self._lock:
-            self._finish(set())
+            self._settle(set())
             views = (self._view(k) for k in sorted(self._scope))
             return [v for v in views if v is not None]
 
@@ -323,6 +329,13 @@ class MeshModel:
                     self._in_mesh.add(key)
                 else:
                     self._in_mesh.discard(key)
+        if self._scope_dirty and self.defer_scope:
+            # A relist of 10k Services is 10k events: recomputing the scope after each is
+            # quadratic. Deferred, the next read (the debounced publish) recomputes it once.
+            return affected | {SCOPE_CHANGED}
+        return self._settle(affected)
+
+    def _settle(self, affected: set[str]) -> set[str]:
         if self._scope_dirty:
             self._scope_dirty = False
             new = self._served(self._explain())
