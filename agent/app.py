@@ -192,11 +192,11 @@ class Agent:
     def _start_route_status(self, watcher: Any) -> None:
         """GAMMA route status: one writer cluster-wide (Lease), every agent routes."""
         from agent.gamma.conditions import adopt_records
-        from agent.scope.gamma import build_tables
         from agent.gamma.lease import LeaseElector
         from agent.gamma.status import StatusLoop, StatusWriter
         from agent.gamma.xmesh import XMeshPublisher
         from agent.install.kube import api_client
+        from agent.scope.gamma import build_tables
 
         assert self.mesh is not None
         o = self.options
