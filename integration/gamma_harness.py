@@ -181,6 +181,9 @@ class EchoBackend:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # headers and body are separate writes: without this, Nagle + delayed ACK costs
+            # 40 ms per request on a kept-alive connection
+            disable_nagle_algorithm = True
 
             def _answer(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)

@@ -474,7 +474,8 @@ def test_request_redirect(g: GammaNode) -> None:
 
 def test_request_redirect_scheme_change_from_service_port(g: GammaNode) -> None:
     """Dialled on 8081 (Host t-redirect:8081), a redirect to https with no port: the port is
-    https's well-known 443, which the spec says not to print."""
+    https's well-known 443, and HTTPRequestRedirectFilter.port says implementations SHOULD NOT
+    add it to the Location header ("https://t-redirect/scheme", not ".../t-redirect:443/...")."""
     with g.routes("redirect", route("redirect", parent("t-redirect", port=None), [
             rule(matches=[path("PathPrefix", "/scheme")],
                  filters=[{"type": "RequestRedirect", "requestRedirect": {"scheme": "https"}}]),
@@ -483,7 +484,7 @@ def test_request_redirect_scheme_change_from_service_port(g: GammaNode) -> None:
         for host in (f"t-redirect:{ALT_PORT}", "t-redirect"):
             a = g.one("t-redirect", "/scheme", port=ALT_PORT, headers={"Host": host})
             assert (a.status, a.headers.get("location")) == (302, "https://t-redirect/scheme"), (
-                f"Host {host}: {a.brief()}")
+                f"Host {host}: {a.brief()}\n{g.envoy_evidence('t-redirect')}")
 
 
 def test_url_rewrite_hostname_and_full_path(g: GammaNode) -> None:

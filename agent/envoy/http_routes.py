@@ -188,7 +188,7 @@ def _full_path(mod: PathModifier, target: rc.RouteAction) -> None:
     target.regex_rewrite.substitution = mod.value
 
 
-def redirect_variants(r: Redirect, m: Match, service_port: int
+def redirect_variants(r: Redirect, m: Match, service_port: int, hosts: Sequence[str] = ()
                       ) -> list[tuple[str | None, rc.RedirectAction]]:
     """(authority regex or None, RedirectAction) pairs giving the spec's Location header.
 
@@ -218,10 +218,19 @@ def redirect_variants(r: Redirect, m: Match, service_port: int
         return [(None, base)]
     # Envoy strips a request ":80" itself when the scheme changes away from http.
     portless = f"^{_NO_PORT}(:80)?$" if scheme != "http" else f"^{_NO_PORT}$"
+    out: list[tuple[str | None, rc.RedirectAction]] = [(portless, base)]
+    # The target's own names (and ClusterIPs) with any port: a new host without a port makes
+    # Envoy drop the request's port, giving the exact Location (https://echo/… for echo:8081).
+    for host in hosts:
+        named = rc.RedirectAction()
+        named.CopyFrom(base)
+        named.host_redirect = host
+        out.append((f"^{re.escape(host)}:[0-9]+$", named))
     fallback = rc.RedirectAction()
     fallback.CopyFrom(base)
-    fallback.port_redirect = port
-    return [(portless, base), (None, fallback)]
+    fallback.port_redirect = port  # an unknown host with a port: correct, but printed
+    out.append((None, fallback))
+    return out
 
 
 def _fraction(num: int, den: int) -> percent_pb2.FractionalPercent:
@@ -292,7 +301,8 @@ def _route_action(rule: Rule, cluster_name: ClusterNameFn) -> rc.RouteAction:
     return action
 
 
-def envoy_routes(rule: Rule, service_port: int, cluster_name: ClusterNameFn) -> list[rc.Route]:
+def envoy_routes(rule: Rule, service_port: int, cluster_name: ClusterNameFn,
+                 hosts: Sequence[str] = ()) -> list[rc.Route]:
     """One table entry → one Envoy route (two for some redirects, see redirect_variants)."""
     name = f"{rule.route_key}|{rule.name or rule.rule_index}|{rule.match_index}"
     match = route_match(rule.match)
@@ -301,7 +311,7 @@ def envoy_routes(rule: Rule, service_port: int, cluster_name: ClusterNameFn) -> 
         routes.append(rc.Route(name=name, match=match,
                                direct_response=rc.DirectResponseAction(status=rule.direct_status)))
     elif rule.redirect is not None:
-        for authority, action in redirect_variants(rule.redirect, rule.match, service_port):
+        for authority, action in redirect_variants(rule.redirect, rule.match, service_port, hosts):
             m = rc.RouteMatch()
             m.CopyFrom(match)
             if authority is not None:
@@ -315,12 +325,12 @@ def envoy_routes(rule: Rule, service_port: int, cluster_name: ClusterNameFn) -> 
     return routes
 
 
-def route_configuration(table: RouteTable, cluster_name: ClusterNameFn, *, name: str | None = None
-                        ) -> route_pb2.RouteConfiguration:
+def route_configuration(table: RouteTable, cluster_name: ClusterNameFn, *, name: str | None = None,
+                        hosts: Sequence[str] = ()) -> route_pb2.RouteConfiguration:
     """The table as one ``*`` virtual host, ending in a catch-all ``no_match_status``."""
     vh = rc.VirtualHost(name=table.name, domains=["*"])
     for rule in table.rules:
-        vh.routes.extend(envoy_routes(rule, table.port, cluster_name))
+        vh.routes.extend(envoy_routes(rule, table.port, cluster_name, hosts))
     vh.routes.add(name="no-match", match=rc.RouteMatch(prefix="/"),
                   direct_response=rc.DirectResponseAction(status=table.no_match_status))
     cfg = route_pb2.RouteConfiguration(name=name or table.name, virtual_hosts=[vh])
@@ -329,12 +339,13 @@ def route_configuration(table: RouteTable, cluster_name: ClusterNameFn, *, name:
 
 
 def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str | None = None,
-            access_log: Sequence[accesslog_pb2.AccessLog] = ()) -> hcm_pb2.HttpConnectionManager:
+            access_log: Sequence[accesslog_pb2.AccessLog] = (), hosts: Sequence[str] = ()
+            ) -> hcm_pb2.HttpConnectionManager:
     """HCM with the inline route table; codec AUTO serves HTTP/1.1 and h2c prior knowledge."""
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix=stat_prefix or table.name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
-        route_config=route_configuration(table, cluster_name),
+        route_config=route_configuration(table, cluster_name, hosts=hosts),
         access_log=list(access_log),
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
     )
@@ -382,8 +393,18 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
     if proto == "detect":
         match.application_protocols.extend(DETECTED_PROTOCOLS)
     chain = http_filter_chain(f"{tcp.name}|http", match,
-                              hcm_for(table, cluster_name, access_log=access_log))
+                              hcm_for(table, cluster_name, access_log=access_log,
+                                      hosts=target_hosts(view)))
     return [chain] if proto == "http" else [chain, tcp]
+
+
+def target_hosts(view: ServiceView) -> list[str]:
+    """Names a client may put in Host for this Service: the short and DNS-search forms, the
+    FQDNs, and the ClusterIPs (IPv6 in brackets)."""
+    ns, name = view.namespace, view.name
+    hosts = [name, f"{name}.{ns}", f"{name}.{ns}.svc", *view.names]
+    hosts += [f"[{ip}]" if ":" in ip else ip for ip in view.cluster_ips]
+    return list(dict.fromkeys(hosts))
 
 
 def http_inspector_listener_filter(detect_ports: Iterable[int]
