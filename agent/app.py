@@ -49,6 +49,7 @@ class AgentOptions:
     daemonset_namespace: str = "aether-system"
     node_loops: bool = True  # readiness taint + repair (only with the Kubernetes API)
     gamma_controller_name: str = "aether.io/mesh"
+    xmesh_create: bool = True  # keep an XMesh named "aether" when the CRD is installed
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None or 0: no metrics server
 
@@ -211,7 +212,8 @@ class Agent:
 
         self.gamma_status = StatusLoop(
             compute, StatusWriter(gapi, ctrl, self.gamma_lease),
-            xmesh=XMeshPublisher(gapi, ctrl, self.node.node_name, lease=self.gamma_lease))
+            xmesh=XMeshPublisher(gapi, ctrl, self.node.node_name, lease=self.gamma_lease,
+                                 create_missing=o.xmesh_create))
         status_loop = self.gamma_status
         self.gamma_lease.on_change = lambda _l: status_loop.mark_dirty()
         kinds = ("HTTPRoute", "GRPCRoute", "Service", "Namespace", "ReferenceGrant")

@@ -54,6 +54,7 @@ def run(
     learn_ttl: Annotated[float, typer.Option(help="Seconds a Service learned from traffic stays in scope.")] = 600.0,
     repair: Annotated[str, typer.Option(help="Uncaptured managed pods: report (Event) or delete (evict).")] = "report",
     controller_name: Annotated[str, typer.Option(help="GAMMA controllerName written in route status.")] = "aether.io/mesh",
+    xmesh_create: Annotated[bool, typer.Option("--xmesh-create/--no-xmesh-create", help="Keep an XMesh 'aether' (GEP-3949) when its CRD is installed.")] = True,
     cni_conf_dir: Annotated[str, typer.Option(help="kubelet's CNI config dir (readiness check).")] = "/etc/cni/net.d",
     cni_bin_dir: Annotated[str, typer.Option(help="Host CNI bin dir (readiness check).")] = "/opt/cni/bin",
     daemonset_name: Annotated[str, typer.Option(help="Our DaemonSet: gone means shutdown for good.")] = "aether-agent",
@@ -98,7 +99,7 @@ def run(
         trust_domain=trust_domain, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
-        gamma_controller_name=controller_name,
+        gamma_controller_name=controller_name, xmesh_create=xmesh_create,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()

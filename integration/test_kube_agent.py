@@ -205,3 +205,57 @@ def test_readiness_taint_follows_install_and_shutdown(api: FakeApiServer, workdi
     finally:
         agent.stop()
     assert "aether.io/agent-not-ready" in _taints(api)  # no DaemonSet: a stop for good
+
+
+def test_route_status_written_by_the_agent(api: FakeApiServer, workdir: str) -> None:
+    """The agent (leader via its Lease) writes Accepted/ResolvedRefs for a valid and a broken
+    route, with our controllerName and observedGeneration; other controllers' entries stay."""
+    def svc(name: str, ip: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
+                "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": name},
+                         "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}
+
+    api.put_object(svc("echo", "10.96.50.10"))
+    api.put_object(svc("echo-v1", "10.96.50.11"))
+    other = {"parentRef": {"group": "", "kind": "Service", "name": "echo"},
+             "controllerName": "other.example/mesh",
+             "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted",
+                             "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+
+    def route(name: str, backend: str) -> dict[str, Any]:
+        return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+                "metadata": {"name": name, "namespace": "app", "generation": 3},
+                "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "echo",
+                                         "port": 80}],
+                         "rules": [{"backendRefs": [{"name": backend, "port": 80}]}]},
+                "status": {"parents": [other]}}
+
+    api.put_object(route("good", "echo-v1"))
+    api.put_object(route("broken", "does-not-exist"))
+    kc = api.kubeconfig(os.path.join(workdir, "kubeconfig"))
+    agent = KubeAgent(workdir, kc)
+    agent.start()
+    try:
+        def ours(name: str) -> dict[str, Any] | None:
+            obj = api.get_object("HTTPRoute", name, "app", "gateway.networking.k8s.io/v1") or {}
+            for p in (obj.get("status") or {}).get("parents") or []:
+                if p.get("controllerName") == "aether.io/mesh":
+                    return dict(p)
+            return None
+
+        wait_for(lambda: ours("good") is not None and ours("broken") is not None, 30)
+        good, broken = ours("good"), ours("broken")
+        assert good is not None and broken is not None
+        conds = {c["type"]: c for c in good["conditions"]}
+        assert conds["Accepted"]["status"] == "True"
+        assert conds["ResolvedRefs"]["status"] == "True"
+        assert conds["Accepted"]["observedGeneration"] == 3
+        bconds = {c["type"]: c for c in broken["conditions"]}
+        assert bconds["ResolvedRefs"]["status"] == "False"
+        assert bconds["ResolvedRefs"]["reason"] == "BackendNotFound"
+        obj = api.get_object("HTTPRoute", "good", "app", "gateway.networking.k8s.io/v1") or {}
+        ctrls = [p["controllerName"] for p in obj["status"]["parents"]]
+        assert "other.example/mesh" in ctrls  # left untouched
+        assert agent.status()["route_status"]
+    finally:
+        agent.stop()

@@ -2,9 +2,10 @@
 
 XMesh (``gateway.networking.x-k8s.io/v1alpha1``, cluster-scoped) is how a platform team sees
 which mesh claims the cluster and which conformance features it implements. We write the
-status of every XMesh whose ``spec.controllerName`` is ours and never touch any spec. The GEP
-says a mesh MUST NOT create a Mesh resource that does not exist (the install should ship
-one), so creating ``aether`` is opt-in (``create_missing``). CRD absent: nothing, no error.
+status of every XMesh whose ``spec.controllerName`` is ours and never touch any spec. Our
+contract is to keep one named ``aether`` (the agent passes ``create_missing=True``; operators
+who ship their own, as GEP-3949 prefers, run ``--no-xmesh-create``). An existing object's spec
+is never changed. CRD absent: nothing, no error.
 """
 
 from __future__ import annotations
