@@ -102,7 +102,7 @@ class Demo:
         self.kubelet: Any = None
         self.pods: dict[str, Any] = {}
         self.servers: list[Any] = []
-        self._cleanups: list[Callable[[], None]] = []
+        self._routes: list[tuple[str, str]] = []
 
     # -- steps -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -113,6 +113,12 @@ class Demo:
                   file=sys.stderr)
             return 2
         reference_plugin_dir()  # fails with a clear message when the plugins are missing
+        # The demo's ClusterIPs are routed by nothing but Envoy: a connection that reaches
+        # the passthrough before the mesh config must fail here, never leave the machine.
+        for fam, net in (("-4", "10.96.213.0/24"),):
+            if subprocess.run(["ip", fam, "route", "add", "blackhole", net], capture_output=True,
+                              check=False).returncode == 0:
+                self._routes.append((fam, net))
         _say(1, self.STEPS, f"writing manifests to {self.mdir}")
         os.makedirs(self.mdir)
         with open(os.path.join(self.mdir, "demo.yaml"), "w") as f:
@@ -244,6 +250,9 @@ class Demo:
             except subprocess.TimeoutExpired:
                 self.agent.kill()
         subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
+        for fam, net in self._routes:
+            subprocess.run(["ip", fam, "route", "del", "blackhole", net], check=False,
+                           capture_output=True)
         if not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
         else:

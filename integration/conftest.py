@@ -129,6 +129,25 @@ class AgentProc:
         return out
 
 
+# Test ClusterIPs live here. Nothing routes them on this machine: a passthrough connection to
+# one (before the mesh config arrives, or out of scope) must fail here, never leave the host.
+CLUSTER_IP_RANGES = (("-4", "10.96.0.0/12"), ("-6", "fd00:96::/32"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def blackhole_cluster_ips() -> Iterator[None]:
+    added = []
+    for fam, net in CLUSTER_IP_RANGES:
+        r = subprocess.run(["ip", fam, "route", "add", "blackhole", net], capture_output=True,
+                           check=False)
+        if r.returncode == 0:
+            added.append((fam, net))
+    yield
+    for fam, net in added:
+        subprocess.run(["ip", fam, "route", "del", "blackhole", net], capture_output=True,
+                       check=False)
+
+
 @pytest.fixture(scope="session")
 def bridge_name() -> Iterator[str]:
     name = f"aetbr{uuid.uuid4().hex[:6]}"

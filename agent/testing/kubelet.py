@@ -95,10 +95,11 @@ class Pod:
     netns_name: str
     container_id: str
     result: dict[str, Any] = field(default_factory=dict)
+    netns_override: str = ""  # e.g. /proc/<pid>/ns/net, as some runtimes pass it
 
     @property
     def netns(self) -> str:
-        return f"/var/run/netns/{self.netns_name}"
+        return self.netns_override or f"/var/run/netns/{self.netns_name}"
 
     @property
     def cni_args(self) -> str:

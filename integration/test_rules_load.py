@@ -1,0 +1,56 @@
+"""Property test (root): whatever the annotations say, the rendered ruleset loads into a real
+netns through libnftables, and every rejected entry is reported."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.capture.policy import ANN_EXCLUDE_PORTS, ANN_EXCLUDE_RANGES, ANN_REDIRECT_ALL, decide
+from agent.capture.rules import render_ruleset
+from agent.config import NodeConfig
+from agent.netns import nft
+from agent.source.model import NamespaceMeta, PodMeta
+
+
+@pytest.fixture(scope="module")
+def scratch_netns() -> Iterator[str]:
+    name = f"aet-fuzz-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    yield f"/var/run/netns/{name}"
+    subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+port_entry = st.one_of(st.integers(-5, 70000).map(str),
+                       st.tuples(st.integers(0, 66000), st.integers(0, 66000))
+                       .map(lambda t: f"{t[0]}-{t[1]}"),
+                       st.text(max_size=8))
+cidr_entry = st.one_of(st.ip_addresses().map(str),
+                       st.tuples(st.ip_addresses(v=4), st.integers(0, 40)).map(lambda t: f"{t[0]}/{t[1]}"),
+                       st.tuples(st.ip_addresses(v=6), st.integers(0, 140)).map(lambda t: f"{t[0]}/{t[1]}"),
+                       st.text(max_size=12))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(port_entry, max_size=40), st.lists(cidr_entry, max_size=40),
+       st.sampled_from(["true", "false", "TRUE", " maybe ", ""]), st.booleans())
+def test_rendered_ruleset_always_loads(scratch_netns: str, ports: list[str], cidrs: list[str],
+                                       redirect: str, node_default: bool) -> None:
+    ann = {ANN_EXCLUDE_PORTS: " , ".join(ports), ANN_EXCLUDE_RANGES: ",".join(cidrs),
+           ANN_REDIRECT_ALL: redirect}
+    d = decide(PodMeta("app", "p", annotations=ann),
+               NamespaceMeta("app", labels={"aether.io/managed": "true"}), NodeConfig(), node_default)
+    assert d.captured and d.policy is not None
+    rejected = {p.entry for p in d.problems}
+    for e in ports:
+        e = e.strip()
+        if e and e not in rejected:
+            lo, _, hi = e.partition("-")
+            assert 1 <= int(lo) <= 65535
+    fp = nft.apply_ruleset(scratch_netns, render_ruleset(d.policy))
+    assert fp == nft.live_fingerprint(scratch_netns)
