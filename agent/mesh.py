@@ -191,4 +191,26 @@ class MeshRuntime:
             "pushes": self.pushes,
             "last_push_ms": round(self.last_push_s * 1000, 2),
             "learned_total": self.learned_total,
+            "route_targets": self._route_targets(),
+            "route_problems": self._route_problems(),
         }
+
+    def _route_targets(self) -> dict[str, list[str]]:
+        routes = self.model.routes
+        return {t: [r.key for r in routes.routes_for(t)] for t in routes.targets()}
+
+    def _route_problems(self) -> list[str]:
+        """Conditions that are not True, as the route status would carry them (the only
+        place they show in standalone mode, where no API server takes route status)."""
+        gamma = self.gamma
+        if gamma is None:
+            return []
+        out = []
+        for st in gamma.statuses:
+            for c in st.conditions:
+                if c.status != "True" and c.type in ("Accepted", "ResolvedRefs"):
+                    out.append(f"{st.route_key} → {st.parent.key}: {c.type}={c.status} "
+                               f"{c.reason}: {c.message}")
+        for conflict in gamma.conflicts:
+            out.append(f"conflict on {conflict.target}:{conflict.port}: {conflict.loser} lost")
+        return out

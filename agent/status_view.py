@@ -49,6 +49,13 @@ def render(st: dict[str, Any]) -> str:
             lines.append(f"  {key}: {'; '.join(why)}")
         if len(deps) > 50:
             lines.append(f"  … {len(deps) - 50} more (use --json)")
+        targets = mesh.get("route_targets") or {}
+        if targets:
+            lines.append(f"route targets: {len(targets)}")
+            for t, routes in list(targets.items())[:30]:
+                lines.append(f"  {t}: {', '.join(routes)}")
+        for prob in (mesh.get("route_problems") or [])[:30]:
+            lines.append(f"  ROUTE PROBLEM: {prob}")
     for miss in st.get("capture_missing") or []:
         lines.append(f"  CAPTURE MISSING: {miss}")
     warnings = st.get("warnings", [])
