@@ -196,8 +196,15 @@ class EchoBackend:
                         "host": self.headers.get("Host", ""), "headers": headers}
                 with me.lock:
                     me.log.append(seen)
+                    tries = sum(1 for r in me.log if r["path"] == self.path)
+                delay = int(headers.get("x-delay-ms") or 0)
+                if delay:
+                    time.sleep(delay / 1000)
+                status = 200
+                if tries <= int(headers.get("x-fail-first") or 0):
+                    status = 503  # the first N tries of this path fail (retry tests)
                 body = json.dumps(seen).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("X-Pod", pod)

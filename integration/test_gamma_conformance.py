@@ -61,7 +61,8 @@ TARGETS = [
     Svc("t-prec-query"), Svc("t-prec-age"), Svc("t-prec-name"), Svc("t-prec-rule"),
     Svc("t-reqhdr"), Svc("t-resphdr"),
     Svc("t-redirect", ports=(SvcPort(), SvcPort(ALT_PORT, 8080, "http-alt"))),
-    Svc("t-rewrite"), Svc("t-rewrite-prefix"), Svc("t-mirror"),
+    Svc("t-rewrite"), Svc("t-rewrite-prefix"), Svc("t-mirror"), Svc("t-mirror-pct"),
+    Svc("t-timeout"), Svc("t-retry"),
     Svc("t-weights"), Svc("t-weight0"), Svc("t-missing"), Svc("t-be-filters"),
     Svc("t-consumer", ports=(SvcPort(), SvcPort(ALT_PORT, 8080, "http-alt"))),
     Svc("t-section", ports=(SvcPort(), SvcPort(ALT_PORT, 8080, "http-alt"))),
@@ -545,6 +546,45 @@ def test_request_mirror(g: GammaNode) -> None:
                                   f"{g.envoy_evidence('t-mirror')}")
         assert not [r for r in g.echo[V1].requests() if r["path"] == tag]
         assert copies[0]["method"] == "GET"
+
+
+def test_request_mirror_percent(g: GammaNode) -> None:
+    with g.routes("mirror-pct", route("mirror-pct", parent("t-mirror-pct"), [rule(
+            backend("echo-v2"), filters=[{"type": "RequestMirror", "requestMirror": {
+                "backendRef": backend("echo-v3"), "percent": 50}}])])):
+        g.converge(_to(V2), "t-mirror-pct → echo-v2", "t-mirror-pct")
+        tag = f"/mirror-pct/{uuid.uuid4().hex}"
+        answers = g.http("t-mirror-pct", tag, count=400, keepalive=True)
+        assert pods(answers) == {V2: 400}, summary(answers)
+        time.sleep(1.0)  # mirrored requests are sent asynchronously
+        copies = len([r for r in g.echo[V3].requests() if r["path"] == tag])
+        assert 140 <= copies <= 260, f"50% mirror sent {copies} of 400 copies"
+
+
+def test_timeouts_request(g: GammaNode) -> None:
+    """timeouts.request bounds the whole request: a slow backend answers 504 in time."""
+    with g.routes("timeout", route("timeout", parent("t-timeout"), [rule(
+            backend("echo-v2"), timeouts={"request": "300ms"})])):
+        g.converge(_to(V2), "t-timeout → echo-v2", "t-timeout")
+        t0 = time.monotonic()
+        slow = g.http("t-timeout", "/slow", headers={"x-delay-ms": "2000"}, timeout=10)
+        took = time.monotonic() - t0
+        assert slow[0].status == 504, summary(slow)
+        assert took < 1.5, f"the 300ms request timeout took {took:.2f}s"
+        fast = g.http("t-timeout", "/fast", headers={"x-delay-ms": "50"})
+        assert fast[0].status == 200 and fast[0].pod == V2
+
+
+def test_retry_on_codes(g: GammaNode) -> None:
+    """retry (v1.2 experimental): 503s from the backend are retried up to `attempts` times."""
+    with g.routes("retry", route("retry", parent("t-retry"), [rule(
+            backend("echo-v2"), retry={"codes": [503], "attempts": 3, "backoff": "10ms"})])):
+        g.converge(_to(V2), "t-retry → echo-v2", "t-retry")
+        tag = uuid.uuid4().hex
+        got = g.http("t-retry", f"/r/{tag}", headers={"x-fail-first": "2"})
+        assert got[0].status == 200 and got[0].pod == V2, summary(got)
+        tries = [r for r in g.echo[V2].requests() if r["path"] == f"/r/{tag}"]
+        assert len(tries) == 3, f"backend saw {len(tries)} tries, want 2 failures + 1 success"
 
 
 # ---- backends ------------------------------------------------------------------------------
