@@ -158,6 +158,10 @@ class Agent:
             checks["plugin"] = plugin_installed(o.cni_conf_dir, o.cni_bin_dir)
         return checks
 
+    def _repairs(self) -> float:
+        """Uncaptured managed pods acted on (reported or evicted) by the repair loop."""
+        return float(len(self.repair.found)) if self.repair is not None else 0.0
+
     def _dependency_set_size(self) -> float:
         return float(len(self.mesh.model.in_scope_keys())) if self.mesh is not None else 0.0
 
@@ -173,6 +177,7 @@ class Agent:
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),
             dependency_set_size=self._dependency_set_size if self.mesh is not None else None,
+            cni_repairs=self._repairs if self.options.kube else None,
             envoy_restarts=(lambda: float(sink.supervisor.restarts))
             if hasattr(sink, "supervisor") else None,
             envoy_ready=(lambda: float(bool(sink.ready()))) if hasattr(sink, "ready") else None,
