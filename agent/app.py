@@ -116,8 +116,13 @@ class Agent:
                                 controller_name=o.gamma_controller_name)
         watcher: Any = None
         if o.manifests:
+            from agent.source.cached import CachedSource
             from agent.source.watch import ManifestWatcher
             watcher = ManifestWatcher(o.manifests, self.mesh.objects)
+            # ADD reads what the watcher already holds; a pod it has not seen yet (written a
+            # moment ago) falls through to a fresh directory read
+            self.source = CachedSource(self.source, self.mesh.objects)
+            self.handler.source = self.source
         elif o.kube:
             from agent.source.cached import CachedSource
             from agent.source.watch import MESH_KINDS, KubeWatcher
