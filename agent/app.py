@@ -23,9 +23,9 @@ from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
 from agent.netns import nft
 from agent.netns.enter import NetnsError, check_netns_path
-from agent.netns.pin import unpin
+from agent.netns.pin import pin, unpin
 from agent.source.base import MetadataSource
-from agent.state import StateStore
+from agent.state import CapturedPod, StateStore
 
 log = logging.getLogger("aether.agent")
 
@@ -50,6 +50,7 @@ class AgentOptions:
     node_loops: bool = True  # readiness taint + repair (only with the Kubernetes API)
     gamma_controller_name: str = "aether.io/mesh"
     xmesh_create: bool = True  # keep an XMesh named "aether" when the CRD is installed
+    envoy_on_exit: str = "auto"  # auto: keep Envoy unless stopping for good; stop; keep
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None or 0: no metrics server
 
@@ -258,10 +259,12 @@ class Agent:
     def stop(self) -> None:
         if self.repair is not None:
             self.repair.stop()
-        if self.readiness is not None or self.slices is not None:
+        o = self.options
+        for_good = True
+        if o.kube:
             from agent.node.readiness import shutting_down_for_good
-            o = self.options
             for_good = shutting_down_for_good(o.kubeconfig, o.daemonset_namespace, o.daemonset_name)
+        if self.readiness is not None or self.slices is not None:
             if self.readiness is not None:
                 self.readiness.stop(for_good=for_good)
             if self.slices is not None:
@@ -275,18 +278,23 @@ class Agent:
             self.metrics_server.stop()
         self.cni_server.stop()
         self.status_server.stop()
+        # An agent restart or upgrade leaves Envoy serving its last config (the next agent
+        # adopts it); a stop for good (our DaemonSet gone, or a standalone stop) stops it.
+        keep = o.envoy_on_exit == "keep" or (o.envoy_on_exit == "auto" and not for_good)
         stop = getattr(self.sink, "stop", None)
         if callable(stop):
-            stop()
+            if keep:
+                stop(keep_envoy=True)
+            else:
+                stop()
         self.stopped.set()
 
     def reconcile(self) -> None:
         """Bring recorded pods back to their recorded capture (or forget them if dead)."""
         for pod in self.store.all():
-            try:
-                check_netns_path(pod.netns)
-            except NetnsError as e:
-                self._note(f"{pod.key}: netns {pod.netns} gone ({e}); dropped from state")
+            gone = self._pod_gone(pod)
+            if gone:
+                self._note(f"{pod.key}: netns {pod.kubelet_netns} gone ({gone}); dropped from state")
                 if pod.pinned:
                     try:
                         unpin(pod.netns)
@@ -312,6 +320,38 @@ class Agent:
             except Exception as e:  # noqa: BLE001
                 self._note(f"{pod.key}: listener not restored: {e}")
         log.info("reconciled %d captured pods", len(self.store.all()))
+
+    def _pod_gone(self, pod: CapturedPod) -> str:
+        """Why the pod's sandbox is gone ('' if it lives). A pin keeps its netns alive, so a
+        pinned pod is judged by kubelet's own path (/proc/<pid>/ns/net: the sandbox process);
+        a lost pin (e.g. the agent's mounts did not survive) is re-made when that path still
+        holds the netns with our table in it."""
+        if not pod.pinned:
+            try:
+                check_netns_path(pod.netns)
+                return ""
+            except NetnsError as e:
+                return str(e)
+        try:
+            check_netns_path(pod.kubelet_netns)
+        except NetnsError as e:
+            return f"sandbox process gone: {e}"
+        pin_ok = os.path.ismount(pod.netns)
+        if pin_ok:
+            same = os.stat(pod.netns).st_ino == os.stat(pod.kubelet_netns).st_ino
+            return "" if same else "the sandbox pid now belongs to another netns"
+        try:
+            live = nft.live_fingerprint(pod.kubelet_netns)
+        except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            return f"pin lost and netns unreadable: {e}"
+        if live is None:
+            return "pin lost and the kubelet path holds no aether table"
+        try:
+            pin(pod.kubelet_netns, pod.netns)
+        except OSError as e:
+            return f"pin lost and could not be re-made: {e}"
+        self._note(f"{pod.key}: netns pin was lost; re-pinned from {pod.kubelet_netns}")
+        return ""
 
     def _note(self, msg: str) -> None:
         log.warning("reconcile: %s", msg)

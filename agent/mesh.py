@@ -109,7 +109,7 @@ class MeshRuntime:
             self._changed()
 
     def pod_released(self, pod: CapturedPod) -> None:
-        if self.model.unregister_local(pod.namespace, pod.name):
+        if self.model.unregister_local(pod.namespace, pod.name, pod.uid):
             self._changed()
 
     def learned(self, dst_ip: str, dst_port: int) -> None:

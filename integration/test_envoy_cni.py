@@ -270,3 +270,35 @@ def test_metrics_count_real_adds_and_readyz_follows_envoy(enode: EnvoyNode) -> N
     while a.http("/readyz")[0] != 200:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+def test_graceful_agent_restart_keeps_envoy_serving(workdir: str, bridge_name: str) -> None:
+    """An upgrade-style stop (SIGTERM, --envoy-on-exit keep; 'auto' does this on Kubernetes
+    while our DaemonSet exists): Envoy serves on untouched, the next agent adopts it."""
+    n = EnvoyNode(workdir, bridge_name, extra=["--envoy-on-exit", "keep"])
+    n.agent.start()
+    n.wait_ready()
+    tcp, tport = host_server()
+    keeper = 0
+    try:
+        pod = n.pod()
+        n.add(pod)
+        pid = n.envoy_pid()
+        with open(os.path.join(n.agent.run_dir, "envoy", "envoy.pid")) as f:
+            keeper = int(f.read())
+        adds = n.stat("listener_manager.listener_added")
+        n.agent.stop()  # SIGTERM
+        assert psutil.pid_exists(pid)
+        assert dial(pod.netns, GW4, tport) == "direct"
+        n.agent.start()
+        assert n.envoy_pid() == pid
+        assert n.stat("listener_manager.listener_added") == adds
+        assert dial(pod.netns, GW4, tport) == "direct"
+        assert {p for p, _ in tcp.seen} <= {GW4}
+    finally:
+        tcp.close()
+        n.cleanup()
+        n.agent.stop()
+        if keeper and psutil.pid_exists(keeper):
+            os.kill(keeper, signal.SIGTERM)
+            psutil.Process(keeper).wait(10)

@@ -91,3 +91,38 @@ def test_service_learned_from_traffic_then_meshed(enode: EnvoyNode) -> None:
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_restart_repins_a_lost_pin_and_drops_a_dead_sandbox(enode: EnvoyNode) -> None:
+    alive, dead = enode.pod(), enode.pod()
+    sleepers = {}
+    for p in (alive, dead):
+        enode.kubelet.create_sandbox(p)
+        sleepers[p.name] = subprocess.Popen(["ip", "netns", "exec", p.netns_name, "sleep", "600"])
+    try:
+        time.sleep(0.3)
+        for p in (alive, dead):
+            p.netns_override = f"/proc/{sleepers[p.name].pid}/ns/net"
+            enode.kubelet.add(p, create=False)
+        enode.agent.stop()
+        pin_alive = os.path.join(enode.agent.run_dir, "netns", alive.container_id)
+        pin_dead = os.path.join(enode.agent.run_dir, "netns", dead.container_id)
+        subprocess.run(["umount", pin_alive], check=True)  # the agent's mounts were lost
+        sleepers[dead.name].kill()
+        sleepers[dead.name].wait()
+        subprocess.run(["ip", "netns", "del", dead.netns_name], check=True)  # sandbox gone
+        enode.agent.start()
+        enode.wait_ready()
+        st = enode.agent.status()
+        assert [p["pod"] for p in st["pods"]] == [f"app/{alive.name}"]
+        assert st["pods"][0]["rules"] == "ok"
+        assert any("re-pinned" in m for m in st["reconcile"])
+        assert any("gone" in m for m in st["reconcile"])
+        assert os.path.ismount(pin_alive) and not os.path.exists(pin_dead)
+        enode.kubelet.delete_aether_only(alive)
+        assert not os.path.exists(pin_alive)
+    finally:
+        for s in sleepers.values():
+            s.kill()
+            s.wait()
+        enode.pods.remove(dead)

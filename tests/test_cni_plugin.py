@@ -117,7 +117,19 @@ def test_agent_timeout_fails_add_closed() -> None:
 
 def test_del_succeeds_without_agent() -> None:
     rc, out, err = invoke("DEL", conf("/nonexistent/cni.sock"))
-    assert rc == 0 and out is None and "not reachable" in err
+    assert rc == 0 and out is None and "no agent at" in err
+
+
+def test_del_timeout_is_try_again() -> None:
+    import socket
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "slow.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.listen(1)  # a live but stuck agent: kubelet must retry DEL, not forget the pod
+    rc, out, _ = invoke("DEL", conf(path, agent_timeout_seconds=0.3))
+    assert rc == 1 and out["code"] == 11 and "try again" in out["msg"]
+    s.close()
 
 
 def test_agent_error_is_relayed(agent: tuple[str, list[Any]]) -> None:

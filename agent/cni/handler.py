@@ -13,7 +13,8 @@ import os
 import re
 import threading
 import time
-from collections import defaultdict, deque
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -59,6 +60,13 @@ class NullSink:
         return None
 
 
+class _PodLock:
+    __slots__ = ("lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
 class CniFailure(Exception):
     def __init__(self, code: int, msg: str, details: str = "") -> None:
         super().__init__(msg)
@@ -94,14 +102,17 @@ class CniHandler:
         self.on_captured: Callable[[CapturedPod, dict[str, str], dict[str, str]], None] | None = None
         self.on_released: Callable[[CapturedPod], None] | None = None
         self.metrics: Any = None  # agent.metrics.Metrics when the metrics server runs
-        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        # per-container locks that vanish once no request holds them (no growth per pod)
+        self._locks: weakref.WeakValueDictionary[str, _PodLock] = weakref.WeakValueDictionary()
         self._locks_guard = threading.Lock()
 
     @contextmanager
     def _pod_lock(self, container_id: str) -> Iterator[None]:
         with self._locks_guard:
-            lock = self._locks[container_id]
-        with lock:
+            lock = self._locks.get(container_id)
+            if lock is None:
+                lock = self._locks[container_id] = _PodLock()
+        with lock.lock:
             yield
 
     # -- entry points --------------------------------------------------------------------
@@ -113,10 +124,15 @@ class CniHandler:
             return request_mod.encode((1, json.dumps(request_mod.cni_error(
                 p.ERR_DECODE, "failed to decode the request from aether-cni "
                 "(is the network configuration valid JSON?)", str(e)))))
-        early, req = request_mod.parse(envelope)
-        if early is not None:
-            return request_mod.encode(early)
-        return request_mod.encode(request_mod.render(req, self.handle(req)))
+        try:
+            early, req = request_mod.parse(envelope)
+            if early is not None:
+                return request_mod.encode(early)
+            return request_mod.encode(request_mod.render(req, self.handle(req)))
+        except Exception as e:  # malformed input must get an answer, never a closed socket
+            log.exception("malformed CNI request")
+            return request_mod.encode((1, json.dumps(request_mod.cni_error(
+                p.ERR_BAD_REQUEST, "malformed request from aether-cni", repr(e)))))
 
     def handle(self, request: Any) -> dict[str, Any]:
         """One request from the shim → one answer; never raises."""
@@ -249,6 +265,7 @@ class CniHandler:
         try:
             fp = nft.apply_ruleset(netns, render_ruleset(decision.policy))
         except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            self._release_pin(netns, pinned)
             raise CniFailure(
                 p.ERR_CAPTURE_FAILED,
                 f"programming capture rules in {netns} for {pod.key} failed; pod not started",
@@ -274,7 +291,13 @@ class CniHandler:
             net_admin=pod.net_admin,
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
-        self.store.put(record)
+        try:
+            self.store.put(record)
+        except OSError as e:
+            self._drop_table(netns)
+            self._release_pin(netns, pinned)
+            raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot record the capture of {pod.key}",
+                             str(e)) from e
         _fault("crash-before-listener")
         try:
             self.sink.add_pod(record)
@@ -295,6 +318,13 @@ class CniHandler:
                  extra=fields)
         return True
 
+    def _release_pin(self, netns: str, pinned: bool) -> None:
+        if pinned:
+            try:
+                unpin(netns)
+            except OSError as e:
+                log.error("unpinning %s after a failed ADD: %s", netns, e)
+
     def _report_problems(self, pod: PodMeta, decision: CaptureDecision) -> None:
         self.counters.annotation_errors += len(decision.problems)
         message = "; ".join(str(x) for x in decision.problems)
@@ -310,9 +340,14 @@ class CniHandler:
     def _del(self, req: dict[str, Any]) -> None:
         record = self.store.get(req["container_id"])
         if record is None:
-            # Not ours (or already cleaned): still drop a table a crashed ADD may have left.
+            # Not ours (or already cleaned): still drop a table and a pin a crashed ADD may
+            # have left behind.
             if req["netns"]:
                 self._drop_table(req["netns"])
+            orphan = os.path.join(self.node.run_dir, "netns", req["container_id"])
+            if os.path.exists(orphan):
+                self._drop_table(orphan)
+                self._release_pin(orphan, True)
             self.counters.del_ok += 1
             return
         try:

@@ -32,6 +32,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 VERSION_JSON = ('{"cniVersion": "1.0.0", "supportedVersions": '
                 '["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]}')
 ENV_KEYS = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
+ERR_TRY_AGAIN = 11
 ERR_AGENT_UNREACHABLE = 100
 
 
@@ -135,17 +136,29 @@ def run(env: Mapping[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> i
     try:
         rc, out = exchange(str(sock), request_bytes(env, stdin), timeout)
     except (OSError, ValueError) as e:
-        if command == "DEL":
-            # Nothing we can clean without the agent; it reconciles dead pods when it returns.
-            stderr.write(f"aether-cni: agent not reachable at {sock} on DEL ({e}); the agent "
-                         "cleans up on restart\n")
+        absent = isinstance(e, (FileNotFoundError, ConnectionRefusedError))
+        if command == "DEL" and absent:
+            # No agent at all: nothing it holds can be cleaned now; it reconciles dead pods
+            # when it returns. (A slow or failing agent is different: kubelet retries.)
+            stderr.write(f"aether-cni: no agent at {sock} on DEL ({e}); the agent cleans "
+                         "up on restart\n")
             return 0
         import json
         version = _netconf_value(stdin, "cniVersion", "1.0.0")
+        if command == "DEL":
+            msg = f"aether agent at {sock} did not finish DEL: try again"
+            code = ERR_TRY_AGAIN
+        elif isinstance(e, TimeoutError):
+            msg = (f"aether agent is not reachable at {sock} (no answer within {timeout:g}s): "
+                   "the pod cannot be captured")
+            code = ERR_AGENT_UNREACHABLE
+        else:
+            msg = f"aether agent is not reachable at {sock}: the pod cannot be captured"
+            code = ERR_AGENT_UNREACHABLE
         stdout.write(json.dumps({
             "cniVersion": str(version),
-            "code": ERR_AGENT_UNREACHABLE,
-            "msg": f"aether agent is not reachable at {sock}: the pod cannot be captured",
+            "code": code,
+            "msg": msg,
             "details": f"{type(e).__name__}: {e}",
         }))
         return 1

@@ -31,8 +31,8 @@ def parse_cni_args(raw: str) -> dict[str, str]:
 def prev_result_ips(prev: Any) -> list[str]:
     """Addresses from a prevResult of any supported version (0.3+ all use `ips`)."""
     ips: list[str] = []
-    if isinstance(prev, dict):
-        for entry in prev.get("ips") or []:
+    if isinstance(prev, dict) and isinstance(prev.get("ips"), list):
+        for entry in prev["ips"]:
             if isinstance(entry, dict) and isinstance(entry.get("address"), str):
                 ips.append(entry["address"].split("/")[0])
     return ips
@@ -66,7 +66,7 @@ def parse(envelope: Any) -> tuple[Answer | None, dict[str, Any]]:
                      f"supported: {', '.join(p.SUPPORTED_VERSIONS)}"), {}
     if command not in ("ADD", "DEL", "CHECK"):
         return _fail(p.ERR_INVALID_ENV, f"unknown CNI_COMMAND {command!r}", "", version), {}
-    if command in ("ADD", "CHECK") and "prevResult" not in netconf:
+    if command in ("ADD", "CHECK") and not isinstance(netconf.get("prevResult"), dict):
         return _fail(p.ERR_INVALID_NETCONF,
                      "aether-cni must be chained after a primary plugin: prevResult is missing",
                      "", version), {}

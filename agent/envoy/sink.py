@@ -56,7 +56,7 @@ class EnvoySink:
         self.log_path = os.path.join(self.dir, "envoy.log")
         self.supervisor = EnvoySupervisor(binary, self.bootstrap_path, self.admin,
                                           concurrency=concurrency, log_file=self.log_path,
-                                          use_keeper=True)
+                                          use_keeper=True, on_spawn=self._write_pid)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
         self._services: tuple[Any, ...] = ()
@@ -108,7 +108,7 @@ class EnvoySink:
             try:
                 admin_request(self.admin, "GET", "/ready", timeout=1.0)
                 last_answer = time.monotonic()
-            except OSError:
+            except Exception:  # noqa: BLE001 - no answer, a reset or a garbled one: silence
                 silent = time.monotonic() - last_answer
                 if silent >= self.hang_timeout:
                     log.error("envoy pid=%d has not answered its admin for %.0fs (hung); killing "
@@ -122,10 +122,14 @@ class EnvoySink:
 
     def _spawn(self) -> None:
         self.supervisor.start()
-        pid = self.supervisor.child_pid
-        if pid is not None:
-            with open(self.pid_path, "w") as f:
-                f.write(str(pid))
+
+    def _write_pid(self, pid: int) -> None:
+        """The keeper's pid, rewritten on every (re)spawn, so a restarted agent adopts the
+        Envoy that is actually running."""
+        tmp = self.pid_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(pid))
+        os.replace(tmp, self.pid_path)
 
     def _previous_envoy(self) -> psutil.Process | None:
         try:
@@ -144,10 +148,19 @@ class EnvoySink:
             proc = self._adopted
             if proc is None:
                 return
-            if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+            try:
+                alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                alive = False
+            if not alive:
                 log.error("adopted envoy pid=%d exited; starting a new one", proc.pid)
                 self._adopted = None
-                self._spawn()
+                try:
+                    self._spawn()
+                except Exception:  # noqa: BLE001 - keep trying rather than die silently
+                    log.exception("starting envoy failed; retrying")
+                    self._adopted = proc
+                    continue
                 return
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
@@ -166,8 +179,16 @@ class EnvoySink:
             return False
         return code == 200 and body.strip() == "LIVE"
 
-    def stop(self) -> None:
+    def stop(self, keep_envoy: bool = False) -> None:
+        """Stop serving. ``keep_envoy``: leave the keeper and Envoy running with their last
+        config (an agent upgrade or restart), for the next agent to adopt."""
         self._stopping.set()
+        if keep_envoy:
+            self.supervisor.detach()
+            self.xds.stop()
+            self.tailer.stop()
+            log.info("agent stopping; envoy keeps serving its last config for the next agent")
+            return
         adopted = self._adopted
         if adopted is not None:
             try:

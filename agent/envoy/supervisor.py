@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import IO, Any
 
 import psutil
@@ -207,7 +208,9 @@ class EnvoySupervisor:
         log_level: str = "info",
         log_file: str | None = None,
         use_keeper: bool = False,
+        on_spawn: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_spawn = on_spawn  # told the child pid after every (re)spawn: pid files
         self.log_file = log_file
         self.use_keeper = use_keeper
         self.binary = find_envoy_binary(binary)
@@ -285,6 +288,11 @@ class EnvoySupervisor:
             threading.Thread(target=self._pipe_logs, args=(proc.stdout,),
                              name=f"envoy-log-{proc.pid}", daemon=True).start()
         self.log.info("envoy started pid=%d: %s", proc.pid, " ".join(self._cmd()))
+        if self.on_spawn is not None:
+            try:
+                self.on_spawn(proc.pid)
+            except Exception:  # noqa: BLE001 - bookkeeping must not stop supervision
+                self.log.exception("on_spawn hook failed")
 
     def _pipe_logs(self, stream: IO[bytes]) -> None:
         for raw in iter(stream.readline, b""):
@@ -357,6 +365,12 @@ class EnvoySupervisor:
                 return True
             time.sleep(0.1)
         return False
+
+    def detach(self) -> None:
+        """Stop supervising without stopping Envoy (it outlives this agent on purpose)."""
+        self._stopping.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=0.1)
 
     def stop(self, timeout: float = 5.0, drain_s: float = 0.5) -> None:
         """Drain listeners briefly, SIGTERM, SIGKILL after ``timeout``; never restarts."""

@@ -113,6 +113,7 @@ class XdsServer:
         self._sid = itertools.count(1)
         self._nack_count = 0
         self._last_nack: dict[str, Any] | None = None
+        self._nacked: dict[str, int] = {}  # type → newest NACKed version
         self._server: grpc.Server | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -261,7 +262,11 @@ class XdsServer:
             if req is None:
                 raise ValueError(f"unknown version {version}")
             while True:
+                # A type whose last change (older than v) Envoy rejected does not block v:
+                # Envoy keeps its previous config for it, so a pod's ADD is not held hostage
+                # by an unrelated NACKed mesh push. A NACK of v itself still fails the wait.
                 if all(self._acked.get(t, -1) >= rv or (rv == 0 and t in NAMED_TYPES)
+                       or (rv < v and self._nacked.get(t, -1) >= rv)
                        for t, rv in req.items()):
                     return True
                 left = deadline - time.monotonic()
@@ -437,6 +442,8 @@ class XdsServer:
             version = st.nonce_version.pop(nonce, 0)
             if error is not None and error.code != 0:
                 self._nack_count += 1
+                if version > self._nacked.get(type_url, -1):
+                    self._nacked[type_url] = version
                 self._last_nack = {
                     "type_url": type_url,
                     "version": str(version),

@@ -144,9 +144,9 @@ class MeshModel:
             )
             return self._finish(svcs | self._after_pods(pods))
 
-    def unregister_local(self, namespace: str, name: str) -> set[str]:
+    def unregister_local(self, namespace: str, name: str, uid: str = "") -> set[str]:
         with self._lock:
-            svcs, pods = self.registry.unregister_local(namespace, name)
+            svcs, pods = self.registry.unregister_local(namespace, name, uid)
             return self._finish(svcs | self._after_pods(pods))
 
     def learn(self, ip: str, port: int) -> set[str]:

@@ -202,9 +202,14 @@ class Registry:
         self._pod_keys_by_ns.setdefault(namespace, set()).add(key)
         return self._refresh_pods({key})
 
-    def unregister_local(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
-        """CNI DEL: forget the CNI half; the API half (if any) keeps the pod until DELETED."""
+    def unregister_local(self, namespace: str, name: str, uid: str = ""
+                         ) -> tuple[set[str], set[str]]:
+        """CNI DEL: forget the CNI half; the API half (if any) keeps the pod until DELETED.
+        With a uid, a late DEL of an old sandbox leaves a newer same-named pod alone."""
         key = f"{namespace}/{name}"
+        reg = self._cni.get(key)
+        if reg is not None and uid and reg.uid and reg.uid != uid:
+            return set(), set()
         self._cni.pop(key, None)
         return self._refresh_pods({key})
 
