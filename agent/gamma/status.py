@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -24,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.conditions import GATEWAY_GROUP, ParentStatus
+from agent.loops import DebouncedLoop
 from agent.scope.routes import ParentRef
 
 log = logging.getLogger("aether.gamma.status")
@@ -290,97 +289,54 @@ class _Publisher(Protocol):
     def sync(self) -> object: ...
 
 
-class StatusLoop:
+class StatusLoop(DebouncedLoop):
     """Background pass: ``mark_dirty()`` on model change → one debounced ``sync`` per burst.
 
     Also runs when this agent becomes leader (the previous leader may have left work) and
     every ``resync_s`` (relist: repairs entries someone else edited).
     """
 
+    thread_name = "gamma-status"
+    what = "route status pass"
+
     def __init__(self, compute: Callable[[], list[ParentStatus]], writer: StatusWriter,
                  interval: float = 0.5, *, resync_s: float = 300.0, leader_poll: float = 1.0,
                  max_backoff: float = 30.0, xmesh: _Publisher | None = None) -> None:
+        super().__init__(interval, resync_s, max_backoff, poll=leader_poll)
         self.compute = compute
         self.writer = writer
-        self.interval = interval
-        self.resync_s = resync_s
         self.leader_poll = leader_poll
-        self.max_backoff = max_backoff
         self.xmesh = xmesh
-        self._dirty = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._synced: Callable[[float], bool] | None = None
         self._leading = False
-        self.passes = 0
-        self.failures = 0
-        self.last_error: str | None = None
 
     def start(self, synced: Callable[[float], bool] | None = None) -> None:
         """Start; the first pass waits for ``synced`` (a half-filled store would look like
         routes and Services vanished and write NoMatchingParent everywhere)."""
-        self._synced = synced
-        self._stop.clear()
-        self._dirty.set()
-        self._thread = threading.Thread(target=self._run, name="gamma-status", daemon=True)
-        self._thread.start()
+        super().start(synced)
 
-    def mark_dirty(self) -> None:
-        self._dirty.set()
+    def on_resync(self) -> None:
+        self.writer.resync()
 
-    def _run(self) -> None:
-        while self._synced is not None and not self._synced(1.0):
-            if self._stop.is_set():
-                return
-        next_resync = time.monotonic() + self.resync_s
-        while not self._stop.is_set():
-            fired = self._dirty.wait(timeout=self.leader_poll)
-            if self._stop.is_set():
-                return
-            leading = self.writer.lease.is_leader()
-            became = leading and not self._leading
-            self._leading = leading
-            if time.monotonic() >= next_resync:
-                self.writer.resync()
-                next_resync = time.monotonic() + self.resync_s
-                became = became or leading
-            if not leading:
-                self._dirty.clear()  # the leader does the work; becoming leader triggers a pass
-                continue
-            if not (fired or became):
-                continue
-            if self._stop.wait(self.interval):  # debounce: a burst becomes one pass
-                return
-            self._dirty.clear()
-            if not self.run_once():
-                backoff = min(self.max_backoff, self.interval * 2 ** min(self.failures, 10))
-                if self._stop.wait(backoff):
-                    return
-                self._dirty.set()
-
-    def run_once(self) -> bool:
-        """One compute + sync (+ XMesh); False (logged, counted) if it must be retried."""
-        try:
-            self.writer.sync(self.compute())
-            if self.xmesh is not None:
-                self.xmesh.sync()
-        except Exception as e:  # noqa: BLE001 - the API being down must not kill the agent
-            self.failures += 1
-            self.last_error = str(e) if isinstance(e, StatusWriteError) else _why(e)
-            log.warning("route status pass failed (attempt %d), retrying: %s", self.failures,
-                        self.last_error)
+    def should_pass(self, fired: bool, resynced: bool) -> bool:
+        leading = self.writer.lease.is_leader()
+        became = leading and not self._leading
+        self._leading = leading
+        if not leading:
+            self._dirty.clear()  # the leader does the work; becoming leader triggers a pass
             return False
-        self.passes += 1
-        self.failures = 0
-        self.last_error = None
-        return True
+        return fired or became or resynced
+
+    def pass_once(self) -> None:
+        """One compute + sync (+ XMesh)."""
+        self.writer.sync(self.compute())
+        if self.xmesh is not None:
+            self.xmesh.sync()
+
+    def describe_error(self, e: Exception) -> str:
+        return str(e) if isinstance(e, StatusWriteError) else _why(e)
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._dirty.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
-            self._thread = None
+        self.stop_loop(timeout)
 
     def status(self) -> dict[str, Any]:
         return {"leader": self.writer.lease.is_leader(), "passes": self.passes,

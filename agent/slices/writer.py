@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from agent.loops import DebouncedLoop
 from agent.scope.model import ServiceView
 from agent.slices.project import (
     JSON,
@@ -207,23 +207,17 @@ def mesh_desired(objects: _Objects, model: _Model, node_name: str,
     return desired_slices(node_name, items)
 
 
-class SliceProjector:
+class SliceProjector(DebouncedLoop):
     """Background loop: mark_dirty() on model change → one debounced reconcile per burst."""
+
+    thread_name = "slice-projector"
+    what = "EndpointSlice projection"
 
     def __init__(self, compute: Callable[[], Desired], writer: SliceWriter, *,
                  interval: float = 0.5, resync_s: float = 300.0, max_backoff: float = 30.0) -> None:
+        super().__init__(interval, resync_s, max_backoff)
         self.compute = compute
         self.writer = writer
-        self.interval = interval
-        self.resync_s = resync_s
-        self.max_backoff = max_backoff
-        self._dirty = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._synced: Callable[[float], bool] | None = None
-        self.passes = 0
-        self.failures = 0
-        self.last_error: str | None = None
         self.skipped: dict[str, str] = {}  # opted-in Services refused → why (status)
 
     @classmethod
@@ -251,58 +245,21 @@ class SliceProjector:
     def start(self, synced: Callable[[float], bool] | None = None) -> None:
         """Start the loop; the first pass waits for ``synced`` (the source's initial LIST):
         a half-filled store would look like endpoints vanished and delete live slices."""
-        self._synced = synced
-        self._dirty.set()  # first pass: adopt and converge
-        self._thread = threading.Thread(target=self._run, name="slice-projector", daemon=True)
-        self._thread.start()
+        super().start(synced)
 
-    def mark_dirty(self) -> None:
-        self._dirty.set()
+    def on_resync(self) -> None:
+        self.writer.resync()
 
-    def _run(self) -> None:
-        while self._synced is not None and not self._synced(1.0):
-            if self._stop.is_set():
-                return
-        next_resync = time.monotonic() + self.resync_s
-        while not self._stop.is_set():
-            fired = self._dirty.wait(timeout=max(0.0, next_resync - time.monotonic()))
-            if self._stop.is_set():
-                return
-            if time.monotonic() >= next_resync:
-                self.writer.resync()
-                next_resync = time.monotonic() + self.resync_s
-            elif not fired:
-                continue
-            if self._stop.wait(self.interval):  # debounce: a burst becomes one pass
-                return
-            self._dirty.clear()
-            if not self.run_once():
-                backoff = min(self.max_backoff, self.interval * 2 ** min(self.failures, 10))
-                if self._stop.wait(backoff):
-                    return
-                self._dirty.set()
+    def pass_once(self) -> None:
+        """One recompute + reconcile."""
+        self.writer.reconcile(self.compute())
 
-    def run_once(self) -> bool:
-        """One recompute + reconcile; False (logged, counted) if it must be retried."""
-        try:
-            self.writer.reconcile(self.compute())
-        except Exception as e:  # noqa: BLE001 - the API being down must not kill the agent
-            self.failures += 1
-            self.last_error = str(e) if isinstance(e, SliceWriteError) else _why(e)
-            log.warning("EndpointSlice projection failed (attempt %d), retrying: %s",
-                        self.failures, self.last_error)
-            return False
-        self.passes += 1
-        self.failures = 0
-        self.last_error = None
-        return True
+    def describe_error(self, e: Exception) -> str:
+        return str(e) if isinstance(e, SliceWriteError) else _why(e)
 
     def stop(self, node_leaving: bool = False, timeout: float = 5.0, attempts: int = 3) -> None:
         """Stop the loop; ``node_leaving`` (the agent going for good) deletes our slices."""
-        self._stop.set()
-        self._dirty.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
+        self.stop_loop(timeout)
         if not node_leaving:
             return  # a restart: the slices keep serving and the next agent adopts them
         for i in range(attempts):
