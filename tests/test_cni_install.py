@@ -345,3 +345,17 @@ def test_watch_sigterm_during_upgrade_keeps_entry(
     t.join(10)
     assert exit_action(inst, "aether-agent", "aether-system", kubeconfig) == "kept"
     assert _has_entry(conf / "10-flannel.conflist")
+
+
+def test_native_shim_install_and_repair_check(tmp_path: Path) -> None:
+    """--python-runtime native: one self-contained binary in the bin dir, nothing else."""
+    from agent.install import runtime as rt
+    bin_dir = str(tmp_path / "bin")
+    changed, _ = rt.install_plugin(bin_dir, "native")
+    assert changed and rt.plugin_intact(bin_dir, "native")
+    assert sorted(os.listdir(bin_dir)) == ["aether-cni"]
+    assert not rt.install_plugin(bin_dir, "native")[0]  # idempotent: nothing rewritten
+    assert "1.0.0" in rt.verify_shim(os.path.join(bin_dir, "aether-cni"))
+    with open(os.path.join(bin_dir, "aether-cni"), "wb") as f:
+        f.write(b"tampered")
+    assert not rt.plugin_intact(bin_dir, "native")

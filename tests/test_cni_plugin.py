@@ -192,17 +192,65 @@ def test_shim_imports_stay_light() -> None:
     assert out.stdout.strip() == ""
 
 
-def test_standalone_shim_runs_isolated(tmp_path: Any) -> None:
+@pytest.fixture(params=["python", "native"])
+def shim_binary(request: Any, tmp_path: Any) -> str:
     from agent.cni.shim import write_shim
     dest = str(tmp_path / "bin" / "aether-cni")
-    write_shim(dest)
+    kind = write_shim(dest, native=request.param == "native")
+    assert kind == request.param, "the native shim needs a C compiler (scripts/setup installs gcc)"
     assert os.stat(dest).st_mode & 0o777 == 0o755
-    with open(dest) as f:
-        assert f.readline().rstrip().endswith(" -IS")
-    env = {"CNI_COMMAND": "VERSION", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([dest], capture_output=True, text=True, env=env, check=True)
-    assert "1.0.0" in json.loads(out.stdout)["supportedVersions"]
-    env = {**env, "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/x"}
-    out = subprocess.run([dest], input=json.dumps(conf("/nonexistent.sock")), capture_output=True,
-                         text=True, env=env, check=False)
-    assert out.returncode == 1 and json.loads(out.stdout)["code"] == 100
+    with open(dest, "rb") as f:
+        head = f.read(4)
+    if kind == "native":
+        assert head == b"\x7fELF"
+    else:
+        assert head.startswith(b"#!")
+    return dest
+
+
+def run_shim(path: str, command: str, stdin: str, **env: str) -> tuple[int, Any, str]:
+    base = {"PATH": "/usr/bin:/bin", "CNI_COMMAND": command, "CNI_CONTAINERID": "abc123",
+            "CNI_NETNS": "/var/run/netns/x", "CNI_IFNAME": "eth0",
+            "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=app;K8S_POD_NAME=w\"eird"}
+    base.update(env)
+    p = subprocess.run([path], input=stdin, capture_output=True, text=True, env=base,
+                       check=False, timeout=30)
+    return p.returncode, json.loads(p.stdout) if p.stdout else None, p.stderr
+
+
+def test_both_shims_speak_the_same_protocol(shim_binary: str,
+                                            agent: tuple[str, list[Any]]) -> None:
+    sock, seen = agent
+    rc, out, _ = run_shim(shim_binary, "VERSION", "")
+    assert rc == 0 and "1.0.0" in out["supportedVersions"]
+    rc, out, _ = run_shim(shim_binary, "ADD", json.dumps(conf(sock)))
+    assert rc == 0 and out == PREV
+    assert seen[-1]["args"]["K8S_POD_NAME"] == 'w"eird' and seen[-1]["ips"][0] == "10.1.0.5"
+    rc, out, _ = run_shim(shim_binary, "ADD", json.dumps(conf(sock, fail=True)))
+    assert rc == 1 and out["code"] == 101 and out["msg"] == "nope"
+    rc, out, _ = run_shim(shim_binary, "CHECK", json.dumps(conf(sock)))
+    assert rc == 0 and out is None
+
+
+def test_both_shims_fail_closed(shim_binary: str, tmp_path: Any) -> None:
+    import socket
+    rc, out, _ = run_shim(shim_binary, "ADD", json.dumps(conf("/nonexistent/cni.sock",
+                                                              cniVersion="0.4.0")))
+    assert rc == 1 and out["code"] == 100 and out["cniVersion"] == "0.4.0"
+    assert out["msg"] == ("aether agent is not reachable at /nonexistent/cni.sock: "
+                          "the pod cannot be captured")
+    rc, out, err = run_shim(shim_binary, "DEL", json.dumps(conf("/nonexistent/cni.sock")))
+    assert rc == 0 and out is None and "no agent at" in err
+    path = str(tmp_path / "stuck.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.listen(1)
+    try:
+        t0 = time.monotonic()
+        rc, out, _ = run_shim(shim_binary, "ADD", json.dumps(conf(path, agent_timeout_seconds=0.5)))
+        assert rc == 1 and out["code"] == 100 and "not reachable" in out["msg"]
+        assert time.monotonic() - t0 < 5
+        rc, out, _ = run_shim(shim_binary, "DEL", json.dumps(conf(path, agent_timeout_seconds=0.3)))
+        assert rc == 1 and out["code"] == 11
+    finally:
+        s.close()

@@ -57,7 +57,8 @@ def install(
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
     python_runtime: Annotated[str, typer.Option(
-        help="copy: ship our interpreter into <bin>/aether/runtime; host: use this one.")
+        help="native: the compiled shim, no Python on the host at all; copy: ship our "
+             "interpreter into <bin>/aether/runtime; host: use this one.")
     ] = "copy",
     daemonset_name: Annotated[str, typer.Option(
         help="Our DaemonSet: present on exit means upgrade (keep the entry). Empty: always "

@@ -269,11 +269,14 @@ def install_plugin(bin_dir: str, python_runtime: str = "copy") -> tuple[bool, st
     """Install the shim (and runtime); returns (anything changed, interpreter used)."""
     os.makedirs(bin_dir, exist_ok=True)
     shim = os.path.join(bin_dir, SHIM_NAME)
+    if python_runtime == "native":
+        return write_atomic(shim, expected_shim(bin_dir, "native"), 0o755), "none (native shim)"
     if python_runtime == "host":
         python = os.path.realpath(sys.executable)
         return write_shim(shim, python), python
     if python_runtime != "copy":
-        raise InstallError(f"--python-runtime must be copy or host, not {python_runtime!r}")
+        raise InstallError(
+            f"--python-runtime must be native, copy or host, not {python_runtime!r}")
     python, direct, copied = copy_runtime(bin_dir)
     if direct:
         changed = write_shim(shim, python)
@@ -286,6 +289,14 @@ def install_plugin(bin_dir: str, python_runtime: str = "copy") -> tuple[bool, st
 
 def expected_shim(bin_dir: str, python_runtime: str) -> bytes:
     """What `<bin>/aether-cni` must contain (the watch loop compares against it)."""
+    if python_runtime == "native":
+        from agent.cni.shim import native_binary
+        binary = native_binary()
+        if binary is None:
+            raise InstallError("--python-runtime native needs the compiled shim and no C compiler "
+                               "was found to build it (use --python-runtime copy)")
+        with open(binary, "rb") as f:
+            return f.read()
     if python_runtime == "host":
         return shim_text(os.path.realpath(sys.executable)).encode()
     py = runtime_python(bin_dir)
@@ -305,7 +316,7 @@ def plugin_intact(bin_dir: str, python_runtime: str) -> bool:
             return False
     except OSError:
         return False
-    if python_runtime == "host":
+    if python_runtime in ("host", "native"):
         return True
     ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
     root = os.path.join(bin_dir, OURS_DIR, RUNTIME_DIR)
