@@ -7,6 +7,7 @@ listener sink, so a restart never leaves a captured pod without its rules or lis
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -396,6 +397,7 @@ class Agent:
                 for p in pods if p["net_admin"]],
             "reconcile": list(self.reconcile_report),
         }
+        out["cni_install"] = self.cni_install_state()
         if self.mesh is not None:
             out["mesh"] = self.mesh.status()
         if self.repair is not None:
@@ -412,6 +414,37 @@ class Agent:
         out["degraded"] = any(p["rules"] != "ok" for p in pods) or bool(
             out.get("envoy", {}).get("degraded")
         )
+        return out
+
+    def cni_install_state(self) -> dict[str, Any]:
+        """Which conflist kubelet uses, whether our entry and binary are there, last repair."""
+        from agent.install import conflist as cl
+        from agent.install.installer import read_configs
+        o = self.options
+        out: dict[str, Any] = {"conf_dir": o.cni_conf_dir}
+        try:
+            files = read_configs(o.cni_conf_dir)
+        except OSError as e:
+            return {**out, "error": str(e)}
+        name = cl.select_config(files)
+        out["conflist"] = os.path.join(o.cni_conf_dir, name) if name else None
+        entry = False
+        if name:
+            try:
+                doc = cl.parse(files[name])
+                plugins = doc.get("plugins") or [doc]
+                entry = any(cl.is_ours(p) for p in plugins)
+            except cl.ConfigError:
+                entry = False
+        out["entry_present"] = entry
+        out["plugin_present"] = os.access(os.path.join(o.cni_bin_dir, "aether-cni"), os.X_OK)
+        try:
+            with open(os.path.join(self.node.run_dir, "cni-install.json")) as f:
+                watcher = json.load(f)
+            out["repairs"] = watcher.get("repairs")
+            out["last_repair"] = watcher.get("last_repair")
+        except (OSError, ValueError):
+            out["repairs"] = None
         return out
 
     def pod_status(self, key: str, dest: str | None) -> dict[str, Any]:

@@ -31,8 +31,17 @@ def render(st: dict[str, Any]) -> str:
         )
         if envoy.get("last_nack"):
             lines.append(f"    last NACK: {envoy['last_nack']}")
+    ci = st.get("cni_install") or {}
+    if ci:
+        last = ci.get("last_repair") or {}
+        lines.append(
+            f"  cni: conflist {ci.get('conflist') or 'none yet'} · entry "
+            f"{'present' if ci.get('entry_present') else 'MISSING'} · plugin "
+            f"{'present' if ci.get('plugin_present') else 'missing'} · repairs "
+            f"{ci.get('repairs') if ci.get('repairs') is not None else '-'}"
+            + (f" (last: {', '.join(last.get('what') or [])})" if last else ""))
     c = st.get("counters", {})
-    lines.append("  cni: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    lines.append("  requests: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     lines.append("")
     if pods:
         rows = [[p["pod"], p["mode"], p["rules"], ",".join(p["exclude_ports"]) or "-",

@@ -202,6 +202,9 @@ def test_readiness_taint_follows_install_and_shutdown(api: FakeApiServer, workdi
                         "--cni-bin-dir", cbin, "--python-runtime", "host",
                         "--agent-socket", agent.socket], check=True, capture_output=True)
         wait_for(lambda: "aether.io/agent-not-ready" not in _taints(api), 15)
+        ci = agent.status()["cni_install"]
+        assert ci["conflist"] == os.path.join(conf, "10-bridge.conflist")
+        assert ci["entry_present"] is True and ci["plugin_present"] is True
     finally:
         agent.stop()
     assert "aether.io/agent-not-ready" in _taints(api)  # no DaemonSet: a stop for good

@@ -359,3 +359,16 @@ def test_native_shim_install_and_repair_check(tmp_path: Path) -> None:
     with open(os.path.join(bin_dir, "aether-cni"), "wb") as f:
         f.write(b"tampered")
     assert not rt.plugin_intact(bin_dir, "native")
+
+
+def test_repairs_recorded_for_agent_status(dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    conf, bin_ = dirs
+    state = tmp_path / "run" / "cni-install.json"
+    shutil.copy(FIX / "05-cilium.conflist", conf / "05-cilium.conflist")
+    inst = make(conf, bin_, state_file=str(state))
+    assert inst.install(timeout=1)
+    shutil.copy(FIX / "05-cilium.conflist", conf / "05-cilium.conflist")
+    assert len(inst.check_and_repair()) == 1
+    data = json.loads(state.read_text())
+    assert data["repairs"] == 1 and data["conflist"] == "05-cilium.conflist"
+    assert data["last_repair"]["what"][0].startswith("entry in ")

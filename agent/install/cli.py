@@ -68,6 +68,9 @@ def install(
     kubeconfig: Annotated[str | None, typer.Option(
         help="Kubeconfig; default in-cluster config.")] = None,
     interval: Annotated[float, typer.Option(help="Watch poll interval, seconds.")] = 0.5,
+    state_file: Annotated[str, typer.Option(
+        help="Where repairs are recorded for `aether-agent status` (empty: nowhere).")
+    ] = "/var/run/aether/cni-install.json",
 ) -> None:
     """Install aether-cni (chained last) into kubelet's CNI config and the host bin dir."""
     from agent import logs
@@ -78,7 +81,7 @@ def install(
         netconf=cl.NetconfOptions(agent_socket=agent_socket,
                                   capture_redirect_all_default=capture_redirect_all_default,
                                   log_level=log_level),
-        python_runtime=python_runtime, interval=interval,
+        python_runtime=python_runtime, interval=interval, state_file=state_file,
     )
     installer = Installer(opts)
     if uninstall:

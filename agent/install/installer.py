@@ -8,6 +8,7 @@ fight with an "exclusive" primary CNI is reported instead of silently looping.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -34,6 +35,8 @@ class InstallOptions:
     fight_window: float = 60.0
     fight_threshold: int = 3
     verify: bool = True
+    # where the agent's `status` reads our repairs (the run dir the agent shares); "" = none
+    state_file: str = ""
 
 
 def read_configs(conf_dir: str) -> dict[str, str]:
@@ -76,6 +79,7 @@ class Installer:
         self.repairs = 0
         self.config_repairs = 0
         self.binary_repairs = 0
+        self.last_repair: dict[str, object] | None = None
         self._recent: deque[float] = deque()
         self._fight_warned_at = 0.0
         self.current: str | None = None
@@ -178,6 +182,22 @@ class Installer:
         self.install_config(name)
         return True
 
+    def write_state(self) -> None:
+        """Repairs for `aether-agent status` (best effort: the agent may not share the dir)."""
+        if not self.opts.state_file:
+            return
+        data = {"conflist": self.current, "repairs": self.repairs,
+                "config_repairs": self.config_repairs, "binary_repairs": self.binary_repairs,
+                "last_repair": self.last_repair, "updated": time.time()}
+        try:
+            os.makedirs(os.path.dirname(self.opts.state_file) or ".", exist_ok=True)
+            tmp = self.opts.state_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.opts.state_file)
+        except OSError as e:
+            log.debug("cannot write %s: %s", self.opts.state_file, e)
+
     def check_and_repair(self) -> list[str]:
         """One watch tick: what was repaired (empty when all was in place)."""
         repaired: list[str] = []
@@ -198,7 +218,9 @@ class Installer:
                          self.current)
         if repaired:
             self.repairs += len(repaired)
+            self.last_repair = {"time": time.time(), "what": repaired}
             log.warning("repaired %s (repairs so far: %d)", " and ".join(repaired), self.repairs)
+            self.write_state()
             if any(r.startswith("entry") for r in repaired):
                 self._note_fight(name)
         return repaired
