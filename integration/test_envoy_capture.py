@@ -26,7 +26,6 @@ from integration.conftest_envoy import (
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, nftables)"),
 ]
 
 UID = "pod-uid-1"

@@ -5,7 +5,6 @@ connections; endpoint changes reach Envoy as EDS only."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,6 @@ from integration.conftest_envoy import (
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, nftables)"),
 ]
 
 UID = "mesh-pod-1"

@@ -12,7 +12,6 @@ status to write to).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections import Counter
@@ -43,7 +42,6 @@ from integration.gamma_harness import (
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, nftables, Envoy)"),
 ]
 
 V1, V2, V3 = "echo-v1-0", "echo-v2-0", "echo-v3-0"
