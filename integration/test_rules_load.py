@@ -47,10 +47,10 @@ def test_rendered_ruleset_always_loads(scratch_netns: str, ports: list[str], cid
                NamespaceMeta("app", labels={"aether.io/managed": "true"}), NodeConfig(), node_default)
     assert d.captured and d.policy is not None
     rejected = {p.entry for p in d.problems}
-    for e in ports:
-        e = e.strip()
-        if e and e not in rejected:
+    entries = [e.strip() for e in ann[ANN_EXCLUDE_PORTS].replace("\n", ",").split(",")]
+    for e in entries:
+        if e and e not in rejected:  # accepted entries are valid ports or ranges
             lo, _, hi = e.partition("-")
-            assert 1 <= int(lo) <= 65535
+            assert 1 <= int(lo) <= 65535 and (not hi or int(lo) <= int(hi) <= 65535)
     fp = nft.apply_ruleset(scratch_netns, render_ruleset(d.policy))
     assert fp == nft.live_fingerprint(scratch_netns)
