@@ -381,6 +381,7 @@ class Agent:
                 "rules": verified,
                 "problems": [str(x) for x in pod.problems],
                 "net_admin": pod.net_admin,
+                "listener": self._listener_state(pod.container_id),
             })
         out: dict[str, Any] = {
             "version": __version__,
@@ -411,10 +412,16 @@ class Agent:
         extra = getattr(self.sink, "status", None)
         if callable(extra):
             out["envoy"] = extra()
-        out["degraded"] = any(p["rules"] != "ok" for p in pods) or bool(
+        out["degraded"] = any(p["rules"] != "ok" or p["listener"] == "MISSING" for p in pods) or bool(
             out.get("envoy", {}).get("degraded")
         )
         return out
+
+    def _listener_state(self, container_id: str) -> str:
+        has = getattr(self.sink, "has_listener", None)
+        if not callable(has):
+            return "n/a (no proxy)"
+        return "live" if has(container_id) else "MISSING"
 
     def cni_install_state(self) -> dict[str, Any]:
         """Which conflist kubelet uses, whether our entry and binary are there, last repair."""

@@ -44,9 +44,11 @@ def render(st: dict[str, Any]) -> str:
     lines.append("  requests: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     lines.append("")
     if pods:
-        rows = [[p["pod"], p["mode"], p["rules"], ",".join(p["exclude_ports"]) or "-",
-                 ",".join(p["exclude_cidrs"]) or "-", ",".join(p["ips"]) or "-"] for p in pods]
-        lines.append(_table(["POD", "MODE", "RULES", "EXCL PORTS", "EXCL CIDRS", "IPS"], rows))
+        rows = [[p["pod"], p["mode"], p["rules"], p.get("listener", "-"),
+                 ",".join(p["exclude_ports"]) or "-", ",".join(p["exclude_cidrs"]) or "-",
+                 ",".join(p["ips"]) or "-"] for p in pods]
+        lines.append(_table(["POD", "MODE", "RULES", "LISTENER", "EXCL PORTS", "EXCL CIDRS", "IPS"],
+                            rows))
     mesh = st.get("mesh")
     if mesh:
         deps = mesh.get("dependency_set") or {}

@@ -29,6 +29,8 @@ def test_status_human_json_drilldown_and_degraded(enode: EnvoyNode) -> None:
     assert doc["degraded"] is False and doc["envoy"]["ready"] is True
     assert [p["pod"] for p in doc["pods"]] == [f"app/{pod.name}"]
     assert doc["pods"][0]["rules"] == "ok" and doc["pods"][0]["exclude_ports"] == ["5432"]
+    assert doc["pods"][0]["listener"] == "live"
+    assert doc["cni_install"]["conf_dir"] == "/etc/cni/net.d"
 
     one = status(rd, f"app/{pod.name}", "--dest", f"{GW4}:5432")
     assert one.returncode == 0, one.stderr
