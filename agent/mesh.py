@@ -118,8 +118,6 @@ class MeshRuntime:
             self.learned_total += 1
             log.info("dependency learned from traffic: %s:%d", dst_ip, dst_port)
             self._dirty.set()
-        elif self.model.lookup_cluster_ip(dst_ip, dst_port) is not None:
-            self._dirty.set()  # refreshed TTL; cheap no-op push if nothing changed
 
     # -- output ----------------------------------------------------------------------------
     def owned_routes(self) -> list[Route]:

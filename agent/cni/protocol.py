@@ -13,9 +13,15 @@ import json
 import socket
 from typing import Any
 
-MAX_REQUEST_BYTES = 1 << 20
-DEFAULT_SOCKET = "/var/run/aether/cni.sock"
-DEFAULT_TIMEOUT_S = 30.0
+# What the shim and the agent must agree on is defined once, in the self-contained shim.
+from agent.cni.plugin import (  # noqa: F401 - re-exported for the agent side
+    DEFAULT_SOCKET,
+    DEFAULT_TIMEOUT_S,
+    ERR_AGENT_UNREACHABLE,
+    ERR_TRY_AGAIN,
+)
+from agent.cni.plugin import MAX_MESSAGE_BYTES as MAX_REQUEST_BYTES
+
 SUPPORTED_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
 
 # CNI spec error codes
@@ -26,9 +32,7 @@ ERR_INVALID_ENV = 4
 ERR_IO = 5
 ERR_DECODE = 6
 ERR_INVALID_NETCONF = 7
-ERR_TRY_AGAIN = 11
 # plugin-specific (>= 100)
-ERR_AGENT_UNREACHABLE = 100
 ERR_CAPTURE_FAILED = 101
 ERR_CHECK_DRIFT = 102
 ERR_BAD_REQUEST = 103

@@ -245,10 +245,7 @@ class EnvoySink:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
         Not awaited: a pod's ADD waits for its own listener, not for the mesh config."""
         with self._lock:
-            if len(views) == len(self._services) and all(
-                    a is b for a, b in zip(views, self._services, strict=True)):
-                views = list(self._services)  # unchanged: keep the tuple the builder cached
-            self._services = tuple(views)
+            self._services = tuple(views)  # the builder compares views by identity
             self._gamma = gamma
             return self._publish()
 
