@@ -9,7 +9,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -102,17 +101,9 @@ ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": row
 
 
 def machine() -> str:
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()} vCPU ({cpu}), kernel {platform.release()}, "
-            f"Python {platform.python_version()}")
+    from bench.common import machine_info
+    info = machine_info()
+    return f"{info['nproc']} vCPU ({info['cpu']}), kernel {info['kernel']}, Python {info['python']}"
 
 
 def table(rows: list[Row]) -> str:

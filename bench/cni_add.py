@@ -22,8 +22,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -37,10 +35,12 @@ from bench.common import (
     Kubelet,
     Pod,
     Stats,
+    delete_pods,
     dumps,
     machine_info,
     make_agent,
     plugin_env,
+    pool_map,
     prepare_pod,
     progress,
     timed_run,
@@ -51,7 +51,6 @@ NAMESPACE = "bench"
 SUBNET4 = "10.215.0.0/16"
 SUBNET6 = "fd00:a3e5::/64"
 TARGET_RATIO = 2.0
-PROGRESS_EVERY = 50
 BREAKDOWN_SAMPLES = 30
 
 
@@ -98,7 +97,7 @@ class Bench:
 
         progress(f"[c={level.concurrency}] creating {len(level.pods)} sandboxes "
                  "(netns, lo, bridge+host-local; untimed) …")
-        _pool_map(one, level.pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
+        pool_map(one, level.pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
 
     def ruleset_file(self, pod: Pod) -> str:
         """The ruleset the agent programs for this pod, from the same decision function."""
@@ -131,7 +130,7 @@ class Bench:
 
         progress(f"[c={level.concurrency}] timing aether-cni ADD …")
         t0 = time.perf_counter()
-        level.add = _pool_map(one, level.pods, level.concurrency, "ADD")
+        level.add = pool_map(one, level.pods, level.concurrency, "ADD")
         level.add_wall_s = time.perf_counter() - t0
 
     def time_floor(self, level: Level) -> None:
@@ -144,7 +143,7 @@ class Bench:
 
         progress(f"[c={level.concurrency}] timing floor (ip netns exec … nft -f) …")
         t0 = time.perf_counter()
-        level.floor = _pool_map(one, level.pods, level.concurrency, "floor")
+        level.floor = pool_map(one, level.pods, level.concurrency, "floor")
         level.floor_wall_s = time.perf_counter() - t0
 
     def verify(self, level: Level) -> None:
@@ -184,35 +183,11 @@ class Bench:
         try:
             if self.sandboxes:
                 progress(f"cleaning up {len(self.sandboxes)} pods …")
-
-                def one(pod: Pod) -> None:
-                    try:
-                        self.kubelet.delete(pod)
-                    except Exception:  # noqa: BLE001 - best effort teardown
-                        subprocess.run(["ip", "netns", "del", pod.netns_name], check=False,
-                                       capture_output=True)
-
-                with ThreadPoolExecutor(8) as pool:
-                    list(pool.map(one, self.sandboxes))
+                delete_pods(self.kubelet, self.sandboxes)
             self.agent.stop()
             subprocess.run(["ip", "link", "del", self.bridge], check=False, capture_output=True)
         finally:
             signal.signal(signal.SIGINT, old)
-
-
-def _pool_map(fn: Callable[[Pod], Any], pods: list[Pod], workers: int, what: str) -> list[Any]:
-    """fn over pods with `workers` threads; progress every PROGRESS_EVERY; stops on error."""
-    pool = ThreadPoolExecutor(max_workers=workers)
-    results: list[Any] = []
-    try:
-        futures: list[Future[Any]] = [pool.submit(fn, p) for p in pods]
-        for done, fut in enumerate(as_completed(futures), 1):
-            results.append(fut.result())
-            if done % PROGRESS_EVERY == 0 or done == len(pods):
-                progress(f"  {what}: {done}/{len(pods)}")
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return results
 
 
 def _sigterm(_signum: int, _frame: FrameType | None) -> None:

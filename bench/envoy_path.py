@@ -38,7 +38,6 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -46,15 +45,16 @@ from typing import Any
 import psutil
 
 from agent.testing.netutil import Recorder, dial, host_server
-from bench.cni_add import _pool_map
 from bench.common import (
     AgentProc,
     Kubelet,
     Pod,
     Stats,
+    delete_pods,
     dumps,
     machine_info,
     plugin_env,
+    pool_map,
     prepare_pod,
     progress,
     timed_run,
@@ -154,7 +154,7 @@ class Phase:
 
         progress(f"[{self.name}] creating {len(pods)} sandboxes (netns, lo, bridge+host-local; "
                  "untimed) …")
-        _pool_map(one, pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
+        pool_map(one, pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
         return confs
 
     def add_untimed(self, pod: Pod) -> None:
@@ -187,7 +187,7 @@ class Phase:
         progress(f"[{self.name} c={level.concurrency}] timing aether-cni {what} …")
         m0 = self.metrics()
         t0 = time.perf_counter()
-        _pool_map(one, level.pods, level.concurrency, what)
+        pool_map(one, level.pods, level.concurrency, what)
         level.wall_s = time.perf_counter() - t0
         m1 = self.metrics()
         level.agent_ms = _mean_delta_ms(m0, m1, "aether_cni_request_duration_seconds",
@@ -255,16 +255,7 @@ class Phase:
             return
         if self.sandboxes:
             progress(f"[{self.name}] cleaning up {len(self.sandboxes)} pods …")
-
-            def one(pod: Pod) -> None:
-                try:
-                    self.kubelet.delete(pod)
-                except Exception:  # noqa: BLE001 - best effort teardown
-                    subprocess.run(["ip", "netns", "del", pod.netns_name], check=False,
-                                   capture_output=True)
-
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(one, self.sandboxes))
+            delete_pods(self.kubelet, self.sandboxes)
             self.sandboxes.clear()
         if self.started:
             self.agent.stop()
