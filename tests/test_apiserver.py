@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from agent.testing import FakeApiServer
@@ -30,15 +29,6 @@ def server() -> Iterator[FakeApiServer]:
     with FakeApiServer(bookmark_interval=0.2) as srv:
         yield srv
 
-
-@pytest.fixture
-def api(server: FakeApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
-    cfg = client.Configuration()
-    config.load_kube_config(
-        config_file=server.kubeconfig(tmp_path / "kubeconfig"), client_configuration=cfg
-    )
-    with client.ApiClient(cfg) as api_client:
-        yield api_client
 
 
 def test_create_get_and_404(server: FakeApiServer, api: client.ApiClient) -> None:

@@ -4,11 +4,9 @@ end-to-end effect on route status against FakeApiServer."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client, config
 
 from agent.gamma.ownership import MANAGED_LABEL, MESH_CONTROLLER_ANNOTATION, controllers, owns
 from agent.gamma.status import StatusWriter
@@ -38,14 +36,6 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer() as srv:
         yield srv
 
-
-@pytest.fixture
-def api(server: FakeApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=server.kubeconfig(tmp_path / "kubeconfig"),
-                            client_configuration=cfg)
-    with client.ApiClient(cfg) as api_client:
-        yield api_client
 
 
 @pytest.fixture

@@ -5,11 +5,9 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client, config
 
 from agent.gamma.conditions import ParentStatus, statuses_from_store
 from agent.gamma.status import StatusLoop, StatusWriter, desired_parents
@@ -46,14 +44,6 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeApiServer]:
     with FakeApiServer() as srv:
         yield srv
 
-
-@pytest.fixture
-def api(server: FakeApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=server.kubeconfig(tmp_path / "kubeconfig"),
-                            client_configuration=cfg)
-    with client.ApiClient(cfg) as api_client:
-        yield api_client
 
 
 # ---- objects -------------------------------------------------------------------------------

@@ -17,11 +17,6 @@ pytestmark = pytest.mark.timeout(60)
 NS, NAME = "aether-system", "aether-gamma-status"
 
 
-@pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as srv:
-        yield srv
-
 
 @pytest.fixture
 def make_api(server: FakeApiServer, tmp_path: Path) -> Iterator[Callable[[], client.ApiClient]]:

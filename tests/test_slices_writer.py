@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from agent.slices.project import EXPOSE_ANNOTATION, MANAGED_BY_LABEL, NODE_LABEL
 from agent.slices.writer import SliceProjector, SliceWriter
@@ -21,19 +20,6 @@ pytestmark = pytest.mark.timeout(60)
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/apps/endpointslices"
 
 
-@pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as srv:
-        yield srv
-
-
-@pytest.fixture
-def api(server: FakeApiServer, tmp_path: Path) -> Iterator[client.ApiClient]:
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=server.kubeconfig(tmp_path / "kubeconfig"),
-                            client_configuration=cfg)
-    with client.ApiClient(cfg) as api_client:
-        yield api_client
 
 
 def live_slices(server: FakeApiServer, node: str | None = None) -> dict[str, dict[str, Any]]:
