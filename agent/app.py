@@ -435,15 +435,10 @@ class Agent:
             return {**out, "error": str(e)}
         name = cl.select_config(files)
         out["conflist"] = os.path.join(o.cni_conf_dir, name) if name else None
-        entry = False
-        if name:
-            try:
-                doc = cl.parse(files[name])
-                plugins = doc.get("plugins") or [doc]
-                entry = any(cl.is_ours(p) for p in plugins)
-            except cl.ConfigError:
-                entry = False
-        out["entry_present"] = entry
+        try:  # the readiness check's own rule: ours is the last plugin, once
+            out["entry_present"] = name is not None and cl.has_entry(cl.parse(files[name]))
+        except cl.ConfigError:
+            out["entry_present"] = False
         out["plugin_present"] = os.access(os.path.join(o.cni_bin_dir, "aether-cni"), os.X_OK)
         try:
             with open(os.path.join(self.node.run_dir, "cni-install.json")) as f:
