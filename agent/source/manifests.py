@@ -51,6 +51,21 @@ def load_objects(directory: str) -> tuple[dict[ObjKey, dict[str, Any]], list[str
     return objects, problems
 
 
+def dir_stamp(directory: str) -> tuple[tuple[str, float, int], ...]:
+    """(path, mtime, size) of the directory tree: changes when any manifest does."""
+    stamp: list[tuple[str, float, int]] = []
+    for root, _dirs, files in os.walk(directory):
+        stamp.append((root, os.stat(root).st_mtime, 0))
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                continue
+            stamp.append((p, st.st_mtime, st.st_size))
+    return tuple(sorted(stamp))
+
+
 def _flatten(doc: Any) -> list[dict[str, Any]]:
     if not isinstance(doc, dict):
         return []
@@ -69,27 +84,15 @@ class ManifestSource:
             raise SourceError(f"manifest directory {directory} does not exist")
         self.directory = directory
         self._lock = threading.Lock()
-        self._stamp: tuple[tuple[str, float], ...] | None = None
+        self._stamp: tuple[tuple[str, float, int], ...] | None = None
         self._objects: dict[ObjKey, dict[str, Any]] = {}
         self._scanned_at = -1.0
         self.events: deque[PodEvent] = deque(maxlen=500)
         self.problems: list[str] = []
 
-    def _dir_stamp(self) -> tuple[tuple[str, float], ...]:
-        stamp: list[tuple[str, float]] = []
-        for root, _dirs, files in os.walk(self.directory):
-            stamp.append((root, os.stat(root).st_mtime))
-            for f in files:
-                p = os.path.join(root, f)
-                try:
-                    stamp.append((p, os.stat(p).st_mtime))
-                except FileNotFoundError:
-                    continue
-        return tuple(sorted(stamp))
-
     def _refresh(self) -> None:
         try:
-            stamp = self._dir_stamp()
+            stamp = dir_stamp(self.directory)
         except OSError as e:
             raise SourceError(f"manifest directory {self.directory}: {e}") from e
         if stamp == self._stamp:

@@ -37,7 +37,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, diff_snapshots, object_key
-from agent.source.manifests import load_objects
+from agent.source.manifests import dir_stamp, load_objects
 
 log = logging.getLogger("aether.source.watch")
 
@@ -357,22 +357,11 @@ class ManifestWatcher:
                 log.warning("manifest directory %s: %s", self.directory, exc)
             self.stop_event.wait(self.interval)
 
-    def _dir_stamp(self) -> tuple[tuple[str, float, int], ...]:
-        stamp: list[tuple[str, float, int]] = []
-        for root, _dirs, files in os.walk(self.directory):
-            st = os.stat(root)
-            stamp.append((root, st.st_mtime, 0))
-            for f in files:
-                with contextlib.suppress(FileNotFoundError):
-                    fs = os.stat(os.path.join(root, f))
-                    stamp.append((os.path.join(root, f), fs.st_mtime, fs.st_size))
-        return tuple(sorted(stamp))
-
     def poll_once(self) -> list[WatchEvent]:
         """Re-read if the directory changed; apply and return the resulting events."""
         if not os.path.isdir(self.directory):
             raise SourceError(f"manifest directory {self.directory} does not exist")
-        stamp = self._dir_stamp()
+        stamp = dir_stamp(self.directory)
         if stamp == self._stamp:
             return []
         objects, problems = load_objects(self.directory)
