@@ -35,7 +35,6 @@ import yaml
 
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
-from agent.testing.netutil import EchoServer
 
 PRODUCER_NS = "gamma"
 CONSUMER_NS = "consumer"
@@ -170,14 +169,69 @@ def route(name: str, parents: dict[str, Any] | list[dict[str, Any]], rules: list
 # ---- backends ------------------------------------------------------------------------------
 
 
-class EchoBackend(EchoServer):
-    """The shared echo backend (agent.testing.netutil.EchoServer) on the target port."""
+class EchoBackend:
+    """HTTP server inside a pod netns: answers JSON {pod, method, path, host, headers} and
+    logs every request it saw (the mirror test reads the log of the mirror backend)."""
 
     def __init__(self, netns: str, pod: str, port: int = TARGET_PORT) -> None:
-        super().__init__(netns, "0.0.0.0", port, pod)
+        self.pod = pod
+        self.lock = threading.Lock()
+        self.log: list[dict[str, Any]] = []
+        me = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            # headers and body are separate writes: without this, Nagle + delayed ACK costs
+            # 40 ms per request on a kept-alive connection
+            disable_nagle_algorithm = True
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                headers: dict[str, str] = {}
+                for k in dict.fromkeys(k.lower() for k in self.headers):
+                    headers[k] = ", ".join(self.headers.get_all(k) or [])
+                seen = {"pod": pod, "method": self.command, "path": self.path,
+                        "host": self.headers.get("Host", ""), "headers": headers}
+                with me.lock:
+                    me.log.append(seen)
+                    tries = sum(1 for r in me.log if r["path"] == self.path)
+                delay = int(headers.get("x-delay-ms") or 0)
+                if delay:
+                    time.sleep(delay / 1000)
+                status = 200
+                if tries <= int(headers.get("x-fail-first") or 0):
+                    status = 503  # the first N tries of this path fail (retry tests)
+                body = json.dumps(seen).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("X-Pod", pod)
+                self.send_header("X-Backend-Header", "original")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _answer  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                return
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.server = run_in_netns(netns, lambda: Server(("0.0.0.0", port), Handler))
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def requests(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.log)
 
     def close(self) -> None:
-        self.shutdown()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 GRPC_METHODS = {"echo.Echo": ("Ping", "Other"), "other.Svc": ("Call",),

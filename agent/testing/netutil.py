@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,82 +121,48 @@ def dial(netns: str, addr: str, port: int, mark: int | None = None,
     return run_in_netns(netns, work)
 
 
-class EchoServer:
-    """An HTTP backend inside a pod netns: answers JSON {pod, method, path, host, headers}
-    (the request as it saw it), header X-Pod, and logs every request. Test knobs in the
-    request: ``x-delay-ms`` (answer late) and ``x-fail-first: N`` (the first N tries of a
-    path answer 503)."""
+def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
+    """An HTTP backend inside a pod netns that answers with its pod name and the request it
+    saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on."""
+    import http.server
+    import json as _json
 
-    def __init__(self, netns: str, addr: str, port: int, pod_name: str) -> None:
-        import http.server
-        import json as _json
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
 
-        self.pod = pod_name
-        self.lock = threading.Lock()
-        self.log: list[dict[str, Any]] = []
-        me = self
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            body = _json.dumps({
+                "pod": pod_name, "method": self.command, "path": self.path,
+                "host": self.headers.get("Host", ""),
+                "headers": {k.lower(): v for k, v in self.headers.items()},
+            }).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("X-Pod", pod_name)
+            self.end_headers()
+            self.wfile.write(body)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # headers and body are separate writes: without this, Nagle + delayed ACK costs
-            # 40 ms per request on a kept-alive connection
-            disable_nagle_algorithm = True
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer  # noqa: N815
 
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                headers: dict[str, str] = {}
-                for k in dict.fromkeys(k.lower() for k in self.headers):
-                    headers[k] = ", ".join(self.headers.get_all(k) or [])
-                seen = {"pod": pod_name, "method": self.command, "path": self.path,
-                        "host": self.headers.get("Host", ""), "headers": headers}
-                with me.lock:
-                    me.log.append(seen)
-                    tries = sum(1 for r in me.log if r["path"] == self.path)
-                delay = int(headers.get("x-delay-ms") or 0)
-                if delay:
-                    time.sleep(delay / 1000)
-                status = 200
-                if tries <= int(headers.get("x-fail-first") or 0):
-                    status = 503  # the first N tries of this path fail (retry tests)
-                body = _json.dumps(seen).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("X-Pod", pod_name)
-                self.send_header("X-Backend-Header", "original")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
+        def log_message(self, *args: Any) -> None:
+            return
 
-            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _answer  # noqa: N815
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
-            def log_message(self, *args: Any) -> None:
-                return
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = fam
+        daemon_threads = True
 
-        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    def make() -> Server:
+        return Server((addr, port), Handler)
 
-        class Server(http.server.ThreadingHTTPServer):
-            address_family = fam
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self.server = run_in_netns(netns, lambda: Server((addr, port), Handler))
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def requests(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return list(self.log)
-
-    def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> EchoServer:
-    """Start an EchoServer (the demo's and the mesh tests' backends)."""
-    return EchoServer(netns, addr, port, pod_name)
+    srv = run_in_netns(netns, make)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
 
 
 def http_get_from(netns: str, host: str, port: int, path: str = "/",
