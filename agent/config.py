@@ -1,7 +1,8 @@
 """Node-wide defaults shared by the CNI handler, the rule renderer and the xDS builder.
 
-The passthrough mark is the one value that two sides must agree on: Envoy stamps it on
-passthrough upstream sockets (SO_MARK) and the pod rules RETURN it ahead of the redirect.
+The passthrough mark is the one value that two sides must agree on: Envoy stamps it on its
+upstream sockets in the pod netns (SO_MARK) and the pod rules RETURN it ahead of the redirect,
+but only for sockets of the proxy's cgroup: a pod process may set the mark too.
 0xAE under mask 0xFF lives in the low byte, clear of kube-proxy (0x4000/0x8000),
 Calico (0xffff0000) and Cilium (0x0f00) marks.
 """
@@ -31,6 +32,13 @@ class NodeConfig:
     system_namespaces: tuple[str, ...] = DEFAULT_SYSTEM_NAMESPACES
     agent_namespace: str = "aether-system"
     agent_labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "aether-agent"})
+    # The node proxy's cgroup v2 (nft path relative to /sys/fs/cgroup) and its level: pod
+    # rules RETURN the passthrough mark only for sockets of that cgroup (agent.netns.cgroup).
+    proxy_cgroup: str | None = None
+    proxy_cgroup_level: int = 0
+    # Why there is no proxy cgroup match on this host (None when there is one): the node is
+    # reported degraded, since pods could then forge the mark.
+    proxy_cgroup_problem: str | None = None
 
     @property
     def cni_socket(self) -> str:

@@ -15,18 +15,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import yaml
+
+from agent.envoy.supervisor import admin_request
 
 NS = "demo"
 ECHO_IP, V1_IP, V2_IP = "10.96.213.10", "10.96.213.11", "10.96.213.12"
@@ -35,12 +35,6 @@ SUBNET4, SUBNET6 = "10.88.213.0/24", "fd00:88:213::/64"
 
 def _say(step: int, total: int, msg: str) -> None:
     print(f"[{step}/{total}] {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def manifests() -> list[dict[str, Any]]:
@@ -97,7 +91,7 @@ class Demo:
         self.run_dir = os.path.join(self.workdir, "run")
         self.mdir = os.path.join(self.workdir, "manifests")
         self.bridge = f"aetdemo{os.getpid() % 1000}"
-        self.admin_port = _free_port()
+        self.admin = os.path.join(self.run_dir, "envoy", "admin.sock")  # root-only, the default
         self.agent: subprocess.Popen[bytes] | None = None
         self.kubelet: Any = None
         self.pods: dict[str, Any] = {}
@@ -128,7 +122,7 @@ class Demo:
         log = open(os.path.join(self.workdir, "agent.log"), "wb")  # noqa: SIM115
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "agent.cli", "run", "--manifests", self.mdir, "--node-name",
-             "demo-node", "--run-dir", self.run_dir, "--envoy-admin-port", str(self.admin_port),
+             "demo-node", "--run-dir", self.run_dir,
              "--metrics-port", "0", "--log-format", "json"], stdout=log, stderr=log)
         self._wait(lambda: os.path.exists(os.path.join(self.run_dir, "status.sock")), 60,
                    "the agent did not start")
@@ -198,8 +192,7 @@ class Demo:
     # -- helpers -----------------------------------------------------------------------------
     def _admin(self, path: str) -> str:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=2) as r:
-                return str(r.read().decode())
+            return admin_request(self.admin, "GET", path, timeout=2)[1]
         except OSError:
             return ""
 

@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -141,3 +142,25 @@ class StateStore:
     def all(self) -> list[CapturedPod]:
         with self._lock:
             return list(self.pods.values())
+
+    def netns_owner(
+        self,
+        target: tuple[int, int],
+        identity: Callable[[str], tuple[int, int]],
+        exclude: str = "",
+    ) -> CapturedPod | None:
+        """The record (other than container `exclude`) whose netns is `target`.
+
+        Paths differ (a pin under <run-dir>/netns, /var/run/netns/<name>, /proc/<pid>/ns/net),
+        so namespaces are compared by identity (`identity(path)` → (st_dev, st_ino), e.g.
+        agent.netns.enter.netns_identity); a record whose netns is gone owns nothing.
+        """
+        for pod in self.all():
+            if pod.container_id == exclude:
+                continue
+            try:  # pod.netns, not kubelet_netns: a /proc/<pid> path may name a reused pid
+                if pod.netns and identity(pod.netns) == target:
+                    return pod
+            except OSError:
+                continue
+        return None

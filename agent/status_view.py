@@ -22,6 +22,10 @@ def render(st: dict[str, Any]) -> str:
         f"  uptime {st.get('uptime_s')}s · source: {st.get('source')} · run dir {st.get('run_dir')}",
         f"  captured pods: {len(pods)}",
     ]
+    integrity = st.get("capture_integrity") or {}
+    if integrity:
+        lines.append(f"  capture integrity: proxy RETURN by {integrity.get('proxy_match')}"
+                     + (f" · DEGRADED: {integrity['problem']}" if integrity.get("problem") else ""))
     envoy = st.get("envoy")
     if envoy:
         lines.append(
@@ -29,6 +33,8 @@ def render(st: dict[str, Any]) -> str:
             f"{envoy.get('restarts')} · rss {int(envoy.get('rss_bytes') or 0) // (1 << 20)} MiB"
             f" · acked {envoy.get('acked_version')} · nacks {envoy.get('nack_count', 0)}"
         )
+        if envoy.get("admin"):
+            lines.append(f"    admin: {envoy['admin']}")
         if envoy.get("last_nack"):
             lines.append(f"    last NACK: {envoy['last_nack']}")
     ci = st.get("cni_install") or {}
@@ -49,6 +55,11 @@ def render(st: dict[str, Any]) -> str:
                  ",".join(p["ips"]) or "-"] for p in pods]
         lines.append(_table(["POD", "MODE", "RULES", "LISTENER", "EXCL PORTS", "EXCL CIDRS", "IPS"],
                             rows))
+        # the listener as Envoy holds it; anything but live says why
+        for p in pods:
+            if p.get("listener") not in ("live", "n/a (no proxy)", None):
+                lines.append(f"  LISTENER {str(p['listener']).upper()}: {p['pod']}: "
+                             f"{p.get('listener_detail') or '-'}")
     mesh = st.get("mesh")
     if mesh:
         deps = mesh.get("dependency_set") or {}
@@ -74,6 +85,11 @@ def render(st: dict[str, Any]) -> str:
         lines.append("")
         lines.append("warnings:")
         lines += [f"  {w['pod']}: {w['reason']}: {w['message']}" for w in warnings[-20:]]
+    source_problems = st.get("source_problems") or []
+    if source_problems:
+        lines.append("")
+        lines.append("source problems:")
+        lines += [f"  {m}" for m in source_problems[:30]]
     if st.get("reconcile"):
         lines.append("")
         lines.append("at startup:")
@@ -86,7 +102,8 @@ def render_pod(p: dict[str, Any]) -> str:
         f"pod {p['pod']} ({p['mode']}, {p['reason']})",
         f"  container {p['container_id']} · netns {p['netns']} · ips {', '.join(p['ips']) or '-'}",
         f"  rules: {p['rules_verified']} · listener {p['listener']}: "
-        f"{'live' if p.get('listener_live') else 'unknown' if p.get('listener_live') is None else 'MISSING'}",
+        + str(p.get("listener_state") or "unknown")
+        + (f" ({p['listener_detail']})" if p.get("listener_detail") else ""),
     ]
     for prob in p.get("problems") or []:
         lines.append(f"  annotation problem: {prob}")

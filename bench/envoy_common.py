@@ -13,11 +13,10 @@ import os
 import re
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from agent.envoy.supervisor import find_envoy_binary
+from agent.envoy.supervisor import admin_request, find_envoy_binary
 from integration.conftest import free_port
 
 
@@ -31,7 +30,7 @@ def envoy_version() -> str:
     return m.group(1) if m else "unknown"
 
 
-def _server_bootstrap(port: int, admin_port: int, body_bytes: int) -> dict[str, Any]:
+def _server_bootstrap(port: int, admin: str, body_bytes: int) -> dict[str, Any]:
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
                  ".v3.HttpConnectionManager",
@@ -50,7 +49,7 @@ def _server_bootstrap(port: int, admin_port: int, body_bytes: int) -> dict[str, 
         }],
     }
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "admin": {"address": {"pipe": {"path": admin, "mode": 0o600}}},
         "static_resources": {"listeners": [{
             "name": "bench_server",
             "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
@@ -65,7 +64,7 @@ class ServerEnvoy:
 
     def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1) -> None:
         self.port = free_port()
-        self.admin_port = free_port()
+        self.admin = os.path.join(workdir, "server-envoy-admin.sock")
         self.body_bytes = body_bytes
         self.workers = workers
         self.config = os.path.join(workdir, "server-envoy.json")
@@ -74,7 +73,7 @@ class ServerEnvoy:
 
     def start(self, timeout: float = 30.0) -> ServerEnvoy:
         with open(self.config, "w") as f:
-            json.dump(_server_bootstrap(self.port, self.admin_port, self.body_bytes), f)
+            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
@@ -84,10 +83,8 @@ class ServerEnvoy:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server envoy exited {self.proc.returncode}: {self.logs()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready",
-                                            timeout=1) as r:
-                    if r.read().decode().strip() == "LIVE":
-                        return self
+                if admin_request(self.admin, "GET", "/ready", timeout=1)[1].strip() == "LIVE":
+                    return self
             except OSError:
                 pass
             time.sleep(0.1)
@@ -156,10 +153,13 @@ class WrkResult:
 
 
 def run_wrk(netns_name: str, url: str, duration: float, threads: int = 2,
-            connections: int = 32) -> WrkResult:
-    """wrk from inside a pod netns (`ip netns exec`), as a workload in that pod would run."""
+            connections: int = 32, new_connection: bool = False) -> WrkResult:
+    """wrk from inside a pod netns (`ip netns exec`), as a workload in that pod would run.
+    ``new_connection``: `Connection: close` on every request, so each one sets up (and
+    captures, and proxies from the pod's netns) a fresh TCP connection."""
     argv = ["ip", "netns", "exec", netns_name, "wrk", f"-t{threads}", f"-c{connections}",
-            f"-d{max(1, round(duration))}s", "--latency", url]
+            f"-d{max(1, round(duration))}s", "--latency",
+            *(["-H", "Connection: close"] if new_connection else []), url]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"wrk failed ({out.returncode}): {out.stderr.strip()}\n{out.stdout}")

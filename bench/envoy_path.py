@@ -29,13 +29,13 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ from typing import Any
 
 import psutil
 
+from agent.envoy.supervisor import admin_request
 from agent.testing.netutil import Recorder, dial, host_server
 from bench.common import (
     AgentProc,
@@ -60,12 +61,12 @@ from bench.common import (
     timed_run,
 )
 from bench.envoy_common import ServerEnvoy, WrkResult, envoy_version, run_wrk
-from integration.conftest import free_port
 
 NAMESPACE = "bench"
 EXCLUDE_ANNOTATION = "capture.aether.io/exclude-outbound-ip-ranges"
 TARGET_RPS_RATIO = 0.6
 TARGET_P50_DELTA_MS = 0.3
+TARGET_NEWCONN_RATIO = 0.5
 PROBE_TIMEOUT_S = 2.0
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
 BODY_BYTES = 1024
@@ -96,10 +97,8 @@ class Phase:
         self.bridge = f"aet{name[0]}{uuid.uuid4().hex[:8]}"  # ≤ 15 chars (IFNAMSIZ)
         self.gw4 = f"10.{net}.0.1"
         extra = ["--log-level", "info"]
-        self.admin_port = 0
         if envoy:
-            self.admin_port = free_port()
-            extra += ["--envoy-admin-port", str(self.admin_port), "--listener-timeout", "15"]
+            extra += ["--listener-timeout", "15"]
         self.agent = AgentProc(self.workdir, envoy=envoy, extra=extra)
         self.agent.write("bench-namespace.yaml", [
             {"apiVersion": "v1", "kind": "Namespace",
@@ -212,9 +211,11 @@ class Phase:
     # -- node Envoy ----------------------------------------------------------------------
     def admin_get(self, path: str, quiet: bool = False) -> str:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}",
-                                        timeout=5) as r:
-                return str(r.read().decode())
+            code, body = admin_request(os.path.join(self.agent.run_dir, "envoy", "admin.sock"),
+                                       "GET", path, timeout=5)
+            if code != 200:
+                raise OSError(f"envoy admin GET {path}: HTTP {code}")
+            return body
         except OSError:
             if quiet:
                 return ""
@@ -333,9 +334,11 @@ class Run:
     wall_s: float
     cpu: dict[str, float]  # share of the machine (all CPUs = 100 %)
     passthrough_cx: int
+    shape: str = "keepalive"  # or "newconn": a new TCP connection per request
 
 
-def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: float) -> Run:
+def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: float,
+            shape: str = "keepalive") -> Run:
     envoy_pid = phase.envoy_pid()
     ncpu = os.cpu_count() or 1
     cx0 = phase.stat("cluster.passthrough.upstream_cx_total")
@@ -344,7 +347,7 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
     agent0 = _proc_cpu(agent_pid)
     kids0, sys0, t0 = _children_cpu(), _sys_cpu(), time.perf_counter()
     result = run_wrk(pod.netns_name, f"http://{phase.gw4}:{server.port}/", duration,
-                     WRK_THREADS, WRK_CONNECTIONS)
+                     WRK_THREADS, WRK_CONNECTIONS, new_connection=shape == "newconn")
     wall = time.perf_counter() - t0
     kids1, sys1 = _children_cpu(), _sys_cpu()
     node1, srv1 = _proc_cpu(envoy_pid), _proc_cpu(server.proc.pid if server.proc else None)
@@ -368,7 +371,7 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
     if result.socket_errors or result.non_2xx:
         progress(f"  warning: {mode}: {result.socket_errors} socket errors, "
                  f"{result.non_2xx} non-2xx")
-    return Run(mode, result, wall, cpu, cx1 - cx0)
+    return Run(mode, result, wall, cpu, cx1 - cx0, shape)
 
 
 def data_path(phase: Phase, server: ServerEnvoy, captured: Pod, direct: Pod, duration: float,
@@ -382,9 +385,10 @@ def data_path(phase: Phase, server: ServerEnvoy, captured: Pod, direct: Pod, dur
     for r in range(rounds):
         order += ["direct", "captured"] if r % 2 == 0 else ["captured", "direct"]
     runs = []
-    for i, mode in enumerate(order, 1):
-        progress(f"[data] wrk {mode} ({i}/{len(order)}, {duration:g} s) …")
-        runs.append(measure(phase, server, pods[mode], mode, duration))
+    for shape in ("keepalive", "newconn"):
+        for i, mode in enumerate(order, 1):
+            progress(f"[data] wrk {shape} {mode} ({i}/{len(order)}, {duration:g} s) …")
+            runs.append(measure(phase, server, pods[mode], mode, duration, shape))
     bad = [r for r in runs if (r.mode == "captured") != (r.passthrough_cx > 0)]
     if bad:
         raise RuntimeError("capture check failed: passthrough connections per run "
@@ -401,8 +405,36 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def newconn_report(runs: list[Run]) -> dict[str, Any]:
+    """A new TCP connection per request (`Connection: close`): what capture adds most to —
+    the redirect, Envoy's accept in the pod netns, the internal hop, and an upstream socket
+    opened in the pod's netns. Ratios per ABBA pair (same round), median and spread."""
+    direct = [r for r in runs if r.mode == "direct"]
+    cap = [r for r in runs if r.mode == "captured"]
+    ratios = sorted(c.wrk.rps / d.wrk.rps for d, c in zip(direct, cap, strict=True)
+                    if d.wrk.rps > 0)
+    med = statistics.median(ratios) if ratios else float("nan")
+    ok = med >= TARGET_NEWCONN_RATIO
+    print()
+    print(f"2b. a new connection per request (wrk -H 'Connection: close', -c{WRK_CONNECTIONS}), "
+          "same pods and server, ABBA")
+    for r in runs:
+        w = r.wrk
+        print(f"{r.mode:<10} | {w.rps:>9.0f} req/s | p50 {w.p50_ms:>7.3f} ms p99 "
+              f"{w.p99_ms:>7.3f} | errors {w.socket_errors + w.non_2xx}")
+    spread = f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
+    print(f"captured/direct new-connection req/s = {med:.2f}× median over {len(ratios)} pair(s) "
+          f"(spread {spread}; target ≥ {TARGET_NEWCONN_RATIO:g}×): {'PASS' if ok else 'MISS'}")
+    return {"runs": [{"mode": r.mode, **r.wrk.to_json(), "passthrough_cx": r.passthrough_cx}
+                     for r in runs],
+            "rps_ratios": [round(x, 3) for x in ratios], "rps_ratio_median": round(med, 3),
+            "target": TARGET_NEWCONN_RATIO, "target_met": ok}
+
+
 def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], args: Any
            ) -> dict[str, Any]:
+    newconn = [r for r in runs if r.shape == "newconn"]
+    runs = [r for r in runs if r.shape == "keepalive"]
     print()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     print(f"background before the run: {machine['background_busy_pct']} % of the machine busy "
@@ -520,6 +552,7 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
         print(f"{mode:<10} | " + " ".join(f"{cost[p]:>12.1f}" for p in parts)
               + f" | {cost['busy']:>10.1f}")
     live_ok = all(not lv.failures for lv in env.levels)
+    nc = newconn_report(newconn)
     return {
         "benchmark": "envoy_path",
         "machine": machine,
@@ -539,8 +572,9 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
             "p50_delta_ms": round(p50_delta, 3),
             "rps_target_met": rps_ok,
             "p50_target_met": p50_ok,
+            "new_connection_per_request": nc,
         },
-        "all_targets_met": live_ok and rps_ok and p50_ok,
+        "all_targets_met": live_ok and rps_ok and p50_ok and nc["target_met"],
     }
 
 

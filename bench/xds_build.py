@@ -290,7 +290,6 @@ def run_envoy(services: int, pods: int, namespaces: int) -> dict[str, Any]:
     """Time-to-ACK in a real Envoy and its RSS; one netns per local pod."""
     from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
     from agent.envoy.supervisor import EnvoySupervisor
-    from integration.conftest_envoy import free_port
 
     if os.geteuid() != 0:
         return {"skipped": "needs root"}
@@ -306,10 +305,10 @@ def run_envoy(services: int, pods: int, namespaces: int) -> dict[str, Any]:
     sock = os.path.join(tmp, "xds.sock")
     server = XdsServer(sock)
     server.start()
-    port = free_port()
+    admin = os.path.join(tmp, "admin.sock")  # mkdtemp: a 0700 directory
     boot = os.path.join(tmp, "envoy.json")
-    write_bootstrap(boot, build_bootstrap("bench", sock, port))
-    sup = EnvoySupervisor(None, boot, f"127.0.0.1:{port}", base_id=os.getpid() % 60000 + 1000)
+    write_bootstrap(boot, build_bootstrap("bench", sock, admin))
+    sup = EnvoySupervisor(None, boot, admin, base_id=os.getpid() % 60000 + 1000)
     out: dict[str, Any] = {}
     try:
         sup.start()

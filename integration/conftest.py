@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from agent.cni import protocol
+from agent.envoy.supervisor import admin_request
 from agent.testing.kubelet import Kubelet, Pod
 
 assert os.geteuid() == 0, "integration tests need root (real netns, nftables, Envoy)"
@@ -224,15 +225,21 @@ def free_port() -> int:
 
 
 class EnvoyNode(Node):
-    def __init__(self, workdir: str, bridge: str, extra: list[str] | None = None) -> None:
-        self.admin_port = free_port()
-        super().__init__(workdir, bridge, envoy=True,
-                         agent_extra=["--envoy-admin-port", str(self.admin_port),
-                                      "--listener-timeout", "15", *(extra or [])])
+    """The agent with its Envoy, whose admin is the default root-only unix socket."""
 
-    def admin(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
-            return str(r.read().decode())
+    def __init__(self, workdir: str, bridge: str, extra: list[str] | None = None) -> None:
+        super().__init__(workdir, bridge, envoy=True,
+                         agent_extra=["--listener-timeout", "15", *(extra or [])])
+
+    @property
+    def admin_socket(self) -> str:
+        return os.path.join(self.agent.run_dir, "envoy", "admin.sock")
+
+    def admin(self, path: str, method: str = "GET", timeout: float = 5) -> str:
+        code, body = admin_request(self.admin_socket, method, path, timeout=timeout)
+        if code != 200:
+            raise OSError(f"envoy admin {method} {path}: HTTP {code}: {body[:300]}")
+        return body
 
     def stat(self, name: str) -> int:
         for line in self.admin(f"/stats?filter=^{re.escape(name)}$").splitlines():

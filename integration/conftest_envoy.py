@@ -13,14 +13,13 @@ import subprocess
 import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
-from agent.envoy.supervisor import EnvoySupervisor
+from agent.envoy.supervisor import EnvoySupervisor, admin_request
 from agent.envoy.xds import XdsServer
 
 
@@ -48,8 +47,9 @@ class PodNet:
     mark_table: str
 
     def mark_packets(self) -> int:
-        """Packets leaving the host towards the test server that carry the passthrough mark."""
-        out = sh(f"nft list table inet {self.mark_table}")
+        """Packets leaving the pod netns (Envoy's upstream sockets live there) towards the test
+        server that carry the passthrough mark."""
+        out = sh(f"ip netns exec {self.name} nft list table inet {self.mark_table}")
         return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
 
 
@@ -87,7 +87,7 @@ table inet aether_test {{
   }}
 }}
 """)
-        sh("nft -f -", stdin=f"""
+        sh(f"{x} nft -f -", stdin=f"""
 table inet {mark_table} {{
   chain out {{
     type filter hook output priority 0;
@@ -98,7 +98,6 @@ table inet {mark_table} {{
 """)
         yield PodNet(ns, f"/var/run/netns/{ns}", h4, h6, port, mark_table)
     finally:
-        sh(f"nft delete table inet {mark_table}", check=False)
         sh(f"ip link del {hv}", check=False)
         sh(f"ip netns del {ns}", check=False)
 
@@ -149,8 +148,10 @@ class EnvoyStack:
     extra: dict[str, object] = field(default_factory=dict)
 
     def admin_get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=3) as r:
-            return str(r.read().decode())
+        code, body = admin_request(self.admin, "GET", path, timeout=3)
+        if code != 200:
+            raise OSError(f"envoy admin GET {path}: HTTP {code}: {body[:300]}")
+        return body
 
     def stat(self, name: str) -> int:
         text = self.admin_get("/stats?filter=" + urllib.parse.quote(f"^{re.escape(name)}$"))
@@ -165,16 +166,15 @@ class EnvoyStack:
 def envoy_stack(tmp: Path, delta: bool = True,
                 on_access: Callable[[str, str, int], None] | None = None
                 ) -> Iterator[EnvoyStack]:
-    port = free_port()
     sock = str(tmp / "xds.sock")
     xds = XdsServer(sock, on_access=on_access)
     xds.start()
     boot = tmp / "envoy.json"
-    write_bootstrap(str(boot), build_bootstrap("test-node", sock, port, delta=delta))
-    sup = EnvoySupervisor(None, str(boot), f"127.0.0.1:{port}",
-                          base_id=random.randint(1000, 60000))
+    admin = str(tmp / "admin.sock")  # a unix socket (0600), as the agent runs it
+    write_bootstrap(str(boot), build_bootstrap("test-node", sock, admin, delta=delta))
+    sup = EnvoySupervisor(None, str(boot), admin, base_id=random.randint(1000, 60000))
     sup.start()
-    stack = EnvoyStack(xds, sup, f"127.0.0.1:{port}", tmp)
+    stack = EnvoyStack(xds, sup, admin, tmp)
     try:
         yield stack
     finally:

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -582,9 +581,7 @@ class GammaNode:
 
     # -- Envoy evidence ----------------------------------------------------------------------
     def config_dump(self) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.node.admin_port}/config_dump"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            data: dict[str, Any] = json.loads(r.read())
+        data: dict[str, Any] = json.loads(self.node.admin("/config_dump", timeout=10))
         return data
 
     def envoy_evidence(self, target: str, limit: int = 6000) -> str:

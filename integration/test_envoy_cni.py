@@ -18,6 +18,7 @@ from agent.netns import nft
 from agent.netns.enter import run_in_netns
 from agent.testing.netutil import dial, host_server
 from integration.conftest import GW4, GW6, EnvoyNode
+from integration.taps import carried, tap
 
 
 class _Hello(http.server.BaseHTTPRequestHandler):
@@ -78,9 +79,9 @@ def test_http_and_tcp_pass_through_envoy(enode: EnvoyNode) -> None:
         assert dial(pod.netns, GW4, tport) == "direct"  # raw TCP reaches the real server
         assert dial(pod.netns, GW6, tport) == "direct"
         assert enode.stat("cluster.passthrough.upstream_cx_total") >= before + 4
-        # the servers see Envoy's node-side connection, not the pod's address
-        assert pod.ip(4) not in _Hello.peers and pod.ip(6) not in _Hello.peers
-        assert {p for p, _ in tcp.seen} <= {GW4, GW6}
+        # Envoy's upstream sockets live in the pod's netns: the servers see the pod's address
+        assert set(_Hello.peers) == {pod.ip(4), pod.ip(6)}
+        assert {p for p, _ in tcp.seen} == {pod.ip(4), pod.ip(6)}
         # the access log names the pod's listener and the original destination
         deadline = time.monotonic() + 10
         while f"listener=capture-{pod.container_id}" not in enode.agent.logs() \
@@ -107,16 +108,19 @@ def test_excluded_destinations_do_not_touch_envoy(enode: EnvoyNode) -> None:
 
 
 def test_passthrough_upstream_is_not_recaptured(enode: EnvoyNode) -> None:
-    """Envoy's upstream leaves from the node side carrying the mark; no loop, one hop."""
+    """Envoy's upstream leaves from the pod's netns, marked, from the proxy cgroup: the pod's
+    rules RETURN it, so one connection is exactly one pass through the capture listener.
+    Without that RETURN the upstream would be redirected into the same listener again (a
+    loop): the listener's own counter would then exceed one."""
     pod = enode.pod()
     enode.add(pod)
     tcp, tport = host_server()
     try:
-        before_cx = enode.stat("listener.127.0.0.1_15001.downstream_cx_total")
+        stat = f"listener.capture-{pod.container_id}.downstream_cx_total"
+        before_cx = enode.stat(stat)
         assert dial(pod.netns, GW4, tport) == "direct"
         time.sleep(0.2)
-        after_cx = enode.stat("listener.127.0.0.1_15001.downstream_cx_total")
-        assert after_cx - before_cx <= 1  # a loop would re-enter the capture listener
+        assert enode.stat(stat) - before_cx == 1
         assert len(tcp.seen) == 1
     finally:
         tcp.close()
@@ -126,6 +130,7 @@ def test_envoy_kill_refuses_then_recovers(enode: EnvoyNode) -> None:
     pod = enode.pod()
     enode.add(pod)
     tcp, tport = host_server()
+    around = tap(enode, pod, GW4, tport)
     try:
         assert dial(pod.netns, GW4, tport) == "direct"
         old = enode.envoy_pid()
@@ -143,7 +148,7 @@ def test_envoy_kill_refuses_then_recovers(enode: EnvoyNode) -> None:
         assert recovered, outcomes[-5:]
         assert any(o.startswith("error:ConnectionRefusedError") for o in outcomes), outcomes[:5]
         # nothing reached the server around Envoy: every success came through Envoy
-        assert {p for p, _ in tcp.seen} <= {GW4}
+        assert around.counts()["other"] == 0 and around.counts()["proxy"] == len(tcp.seen)
         assert enode.envoy_pid() != old
         assert enode.agent.status()["envoy"]["restarts"] >= 1
     finally:
@@ -207,6 +212,7 @@ def test_agent_restart_keeps_envoy_serving(enode: EnvoyNode) -> None:
     pod = enode.pod()
     enode.add(pod)
     tcp, tport = host_server()
+    around = tap(enode, pod, GW4, tport)
     try:
         pid = enode.envoy_pid()
         adds = enode.stat("listener_manager.listener_added")
@@ -223,7 +229,8 @@ def test_agent_restart_keeps_envoy_serving(enode: EnvoyNode) -> None:
         enode.add(newpod)
         assert f"capture-{newpod.container_id}" in enode.listeners()
         assert dial(newpod.netns, GW4, tport) == "direct"
-        assert {p for p, _ in tcp.seen} <= {GW4}
+        assert around.counts() == {"proxy": 2, "other": 0}  # both through the adopted Envoy
+        assert carried(enode, newpod) == 1
     finally:
         tcp.close()
 
@@ -283,6 +290,7 @@ def test_graceful_agent_restart_keeps_envoy_serving(workdir: str, bridge_name: s
     try:
         pod = n.pod()
         n.add(pod)
+        around = tap(n, pod, GW4, tport)
         pid = n.envoy_pid()
         with open(os.path.join(n.agent.run_dir, "envoy", "envoy.pid")) as f:
             keeper = int(f.read())
@@ -294,7 +302,7 @@ def test_graceful_agent_restart_keeps_envoy_serving(workdir: str, bridge_name: s
         assert n.envoy_pid() == pid
         assert n.stat("listener_manager.listener_added") == adds
         assert dial(pod.netns, GW4, tport) == "direct"
-        assert {p for p, _ in tcp.seen} <= {GW4}
+        assert around.counts() == {"proxy": 2, "other": 0}
     finally:
         tcp.close()
         n.cleanup()

@@ -12,6 +12,7 @@ import yaml
 
 from agent.testing.netutil import http_echo_server, http_get_from
 from integration.conftest import GW4, EnvoyNode
+from integration.taps import carried
 
 
 def test_proc_netns_path_is_pinned_and_released(enode: EnvoyNode) -> None:
@@ -29,7 +30,7 @@ def test_proc_netns_path_is_pinned_and_released(enode: EnvoyNode) -> None:
         srv, port = host_server()
         try:
             assert dial(f"/var/run/netns/{pod.netns_name}", GW4, port) == "direct"
-            assert pod.ip(4) not in {p for p, _ in srv.seen}  # through Envoy
+            assert carried(enode, pod) == 1  # through Envoy
         finally:
             srv.close()
         enode.kubelet.delete_aether_only(pod)

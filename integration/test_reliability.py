@@ -19,6 +19,7 @@ from agent.netns import nft
 from agent.testing.kubelet import CniError
 from agent.testing.netutil import dial, host_server
 from integration.conftest import GW4, EnvoyNode
+from integration.taps import carried, tap
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_agent_killed_during_add_never_half_captures(enode: EnvoyNode, point: st
         enode.kubelet.add(pod, create=False)
         assert f"capture-{pod.container_id}" in enode.listeners()
         assert dial(pod.netns, GW4, tport) == "direct"
-        assert pod.ip(4) not in {p for p, _ in tcp.seen}  # it went through Envoy
+        assert carried(enode, pod) == 1  # it went through Envoy
         st = enode.agent.status()
         assert [p["rules"] for p in st["pods"]] == ["ok"]
     finally:
@@ -100,6 +101,7 @@ def test_envoy_hung_is_detected_and_restarted(hnode: EnvoyNode) -> None:
     pod = hnode.pod()
     hnode.add(pod)
     tcp, tport = host_server()
+    around = tap(hnode, pod, GW4, tport)
     try:
         pid = hnode.envoy_pid()
         os.kill(pid, signal.SIGSTOP)
@@ -114,7 +116,7 @@ def test_envoy_hung_is_detected_and_restarted(hnode: EnvoyNode) -> None:
             raise AssertionError("envoy was not restarted after hanging")
         assert hnode.envoy_pid() != pid
         assert hnode.agent.status()["envoy"]["hang_kills"] >= 1
-        assert pod.ip(4) not in {p for p, _ in tcp.seen}
+        assert around.counts()["other"] == 0  # nothing went around the hung proxy
     finally:
         tcp.close()
 

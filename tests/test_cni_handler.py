@@ -18,7 +18,12 @@ def handler(tmp_path: Path) -> CniHandler:
     m = tmp_path / "m"
     m.mkdir()
     (m / "ns.yaml").write_text(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {name: app, labels: {aether.io/managed: 'true'}}\n")
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: app, labels: {aether.io/managed: 'true'}}\n"
+        "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: other}\n")
+    # pods the source knows: one unknown to it would be CNI try-again, not "not managed"
+    (m / "pods.yaml").write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: app}\n"
+        "---\napiVersion: v1\nkind: Pod\nmetadata: {name: x, namespace: other}\n")
     return CniHandler(NodeConfig(run_dir=str(tmp_path / "run")), ManifestSource(str(m)),
                       StateStore(str(tmp_path / "state.json")))
 
@@ -71,4 +76,10 @@ def test_unmanaged_and_non_pod_requests_succeed_without_capture(handler: CniHand
 
 def test_del_and_check_of_unknown_container_succeed(handler: CniHandler) -> None:
     assert handler.handle(req(command="DEL", netns=""))["ok"]
-    assert handler.handle(req(command="CHECK"))["ok"]
+    # CHECK without a record: fine for a pod that is not to be captured (and for a non-pod);
+    # a managed pod without a capture fails (tests/test_cni_integrity.py)
+    assert handler.handle(req(command="CHECK", args={"K8S_POD_NAMESPACE": "other",
+                                                     "K8S_POD_NAME": "x"}))["ok"]
+    assert handler.handle(req(command="CHECK", args={}))["ok"]
+    out = handler.handle(req(command="CHECK"))
+    assert out["ok"] is False and "no capture" in out["msg"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 
-from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
+from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
 from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -69,12 +70,30 @@ def test_sotw_and_unix_admin() -> None:
                         set_node_on_first_message_only=False)
     assert b["dynamic_resources"]["ads_config"]["api_type"] == "GRPC"
     assert b["dynamic_resources"]["ads_config"]["set_node_on_first_message_only"] is False
-    assert b["admin"]["address"] == {"pipe": {"path": "/run/admin.sock"}}
+    # root only: Envoy chmods the socket to Pipe.mode right after binding it
+    assert b["admin"]["address"] == {"pipe": {"path": "/run/admin.sock", "mode": 0o600}}
+    b = build_bootstrap("n", "/x.sock", "/run/admin.sock", admin_mode=0o660)
+    assert b["admin"]["address"]["pipe"]["mode"] == 0o660
+
+
+def test_private_dir(tmp_path: Path) -> None:
+    d = tmp_path / "envoy"
+    ensure_private_dir(str(d))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    d.chmod(0o755)  # a directory left open by an older agent is closed again
+    ensure_private_dir(str(d))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        ensure_private_dir(str(tmp_path / "file"))
+    (tmp_path / "link").symlink_to(d)
+    with pytest.raises(PermissionError):
+        ensure_private_dir(str(tmp_path / "link"))
 
 
 def test_write_is_json(tmp_path: Path) -> None:
     p = tmp_path / "sub" / "b.json"
-    b = build_bootstrap("n", "/x.sock")
+    b = build_bootstrap("n", "/x.sock", "/run/admin.sock")
     write_bootstrap(str(p), b)
     assert json.loads(p.read_text()) == b
     assert [f.name for f in p.parent.iterdir()] == ["b.json"]
@@ -95,7 +114,7 @@ def test_envoy_validates_bootstrap_with_built_resources(tmp_path: Path, delta: b
     assert len(res[LISTENER_TYPE]["mesh-default"].message().filter_chains) == 3
     listeners = [getattr(lis, "message", lambda lis=lis: lis)()
                  for lis in res[LISTENER_TYPE].values()]
-    b = build_bootstrap("n", str(tmp_path / "xds.sock"), 15000, delta=delta,
+    b = build_bootstrap("n", str(tmp_path / "xds.sock"), str(tmp_path / "admin.sock"), delta=delta,
                         static_listeners=listeners,
                         static_clusters=[getattr(c, "message", lambda c=c: c)()
                                          for c in res[CLUSTER_TYPE].values()])

@@ -73,7 +73,10 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
              v.shared_with_upstream) for v in sfs.on_new_connection] == [
         ("envoy.filters.listener.original_dst.local_ip", "%DOWNSTREAM_LOCAL_ADDRESS%", "", 1),
         ("envoy.filters.listener.original_dst.remote_ip", "%DOWNSTREAM_REMOTE_ADDRESS%", "", 1),
-        ("aether.capture_listener", "capture-u1", "envoy.string", 1)]
+        ("aether.capture_listener", "capture-u1", "envoy.string", 1),
+        # TRANSITIVE (2): crosses the internal listener to the final upstream's bind
+        ("envoy.network.upstream_bind_override.network_namespace", "/var/run/aether/netns/u1",
+         "envoy.string", 2)]
     tcp = tcp_proxy_pb2.TcpProxy()
     assert tcp_f.typed_config.Unpack(tcp)
     assert tcp.cluster == "mesh-default"
@@ -156,11 +159,30 @@ def test_passthrough_cluster_original_dst_with_so_mark() -> None:
     assert c.type == cluster_pb2.Cluster.ORIGINAL_DST
     assert c.lb_policy == cluster_pb2.Cluster.CLUSTER_PROVIDED
     assert c.connect_timeout.ToMilliseconds() == 2500
+    _assert_pod_netns_upstream(c, 0xAE)
+
+
+def _assert_pod_netns_upstream(c: cluster_pb2.Cluster, mark: int) -> None:
+    """Upstream sockets: opened in the pod netns named by filter state, marked, and pooled
+    per downstream connection so no pooled connection carries two pods' traffic."""
     bind = c.upstream_bind_config
-    assert not bind.HasField("source_address")  # no bind: v4 and v6 upstreams both work
+    # wildcard sources: the selector only moves an address that exists into the pod netns
+    assert (bind.source_address.address, bind.source_address.port_value) == ("0.0.0.0", 0)
+    assert [(a.address.address, a.address.port_value) for a in bind.extra_source_addresses] \
+        == [("::", 0)]
+    assert bind.local_address_selector.name == \
+        "envoy.upstream.local_address_selector.filter_state_override"
+    assert bind.local_address_selector.typed_config.type_url.endswith(
+        "local_address_selectors.filter_state_override.v3.Config")
     (opt,) = bind.socket_options
-    assert (opt.level, opt.name, opt.int_value) == (SOL_SOCKET, SO_MARK, 0xAE)
+    assert (opt.level, opt.name, opt.int_value) == (SOL_SOCKET, SO_MARK, mark)
     assert opt.state == opt.STATE_PREBIND
+    assert c.connection_pool_per_downstream_connection
+
+
+def test_service_clusters_leave_from_the_pod_netns_too() -> None:
+    res = build_resources(NodeXdsState(pods=(), services=(_view(),), passthrough_mark=0x4A))
+    _assert_pod_netns_upstream(res[CLUSTER_TYPE]["svc|mesh|web|80"].message(), 0x4A)
 
 
 def test_deterministic_and_sorted() -> None:

@@ -288,8 +288,8 @@ def test_live_redirect_locations_and_prefix_table(tmp_path: Path) -> None:
         "rules": rules}})
     t = build_tables([r], SVCS).table_for("ns/echo", 8080, "ns")
     assert t is not None
-    port, admin = _free_port(), _free_port()
-    b = build_bootstrap("n", str(tmp_path / "xds.sock"), admin, dynamic=False,
+    port = _free_port()
+    b = build_bootstrap("n", str(tmp_path / "xds.sock"), str(tmp_path / "admin.sock"), dynamic=False,
                         static_listeners=[_static_listener("l", port,
                                                            hcm_for(t, service_cluster_name))])
     cfg = tmp_path / "b.json"

@@ -14,6 +14,8 @@ from agent.source.model import NamespaceMeta, PodMeta
 
 GOLDEN = Path(__file__).parent / "golden"
 NS = NamespaceMeta("app", labels={"aether.io/managed": "true"})
+# the production shape: the proxy's own cgroup v2 is known (agent.netns.cgroup)
+NODE = NodeConfig(proxy_cgroup="unified/aether-proxy", proxy_cgroup_level=1)
 
 CASES = {
     "redirect_all_default": {},
@@ -26,7 +28,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden(name: str) -> None:
-    d = decide(PodMeta("app", "p", annotations=CASES[name]), NS, NodeConfig(), True)
+    d = decide(PodMeta("app", "p", annotations=CASES[name]), NS, NODE, True)
     assert d.policy is not None
     text = render_ruleset(d.policy)
     path = GOLDEN / f"{name}.nft"
@@ -36,10 +38,11 @@ def test_golden(name: str) -> None:
 
 
 def test_rule_order_is_the_contract() -> None:
-    d = decide(PodMeta("app", "p", annotations=CASES["exclusions"]), NS, NodeConfig(), True)
+    d = decide(PodMeta("app", "p", annotations=CASES["exclusions"]), NS, NODE, True)
     assert d.policy is not None
     rules = render_rules(d.policy)
-    assert rules[0].startswith("meta mark & 0x000000ff == 0x000000ae return")
+    assert rules[0].startswith('meta mark & 0x000000ff == 0x000000ae socket cgroupv2 level 1 '
+                               '"unified/aether-proxy" return')
     assert "redirect to :15001" in rules[-1]
     assert all("redirect" not in r for r in rules[:-1])
 
@@ -52,6 +55,29 @@ def test_custom_ports_and_mark() -> None:
     text = render_ruleset(d.policy)
     assert "meta mark & 0x0000ff00 == 0x00004a00 return" in text
     assert "tcp dport 19000 redirect to :16001" in text
+
+
+def test_mark_alone_never_returns_when_the_proxy_cgroup_is_known() -> None:
+    """The mark RETURN is bound to the proxy's cgroup: no rule RETURNs on the mark alone."""
+    d = decide(PodMeta("app", "p"), NS, NODE, True)
+    assert d.policy is not None
+    marked = [r for r in render_rules(d.policy) if "meta mark" in r]
+    assert marked and all("socket cgroupv2 level 1" in r for r in marked)
+
+
+def test_without_a_cgroup_match_the_rule_says_so() -> None:
+    d = decide(PodMeta("app", "p"), NS, NodeConfig(), True)
+    assert d.policy is not None
+    first = render_rules(d.policy)[0]
+    assert "socket cgroupv2" not in first and "mark only" in first
+
+
+def test_cgroup_path_cannot_break_out_of_its_quotes() -> None:
+    d = decide(PodMeta("app", "p"), NS, NodeConfig(proxy_cgroup='x" return', proxy_cgroup_level=1),
+               True)
+    assert d.policy is not None
+    with pytest.raises(ValueError):
+        render_rules(d.policy)
 
 
 def test_fingerprint_ignores_handles() -> None:

@@ -49,6 +49,11 @@ class CapturePolicy:
     exclude_ports: tuple[tuple[int, int], ...] = ()
     exclude_v4: tuple[str, ...] = ()
     exclude_v6: tuple[str, ...] = ()
+    # The proxy's cgroup (v2) as nft names it (relative to /sys/fs/cgroup) and its level in
+    # the hierarchy: the mark RETURN holds only for sockets of that cgroup. None: this host
+    # offers no unforgeable match and the RETURN is by mark alone (reported as degraded).
+    proxy_cgroup: str | None = None
+    proxy_cgroup_level: int = 0
 
     @property
     def mode(self) -> str:
@@ -64,6 +69,8 @@ class CapturePolicy:
             "exclude_ports": [list(r) for r in self.exclude_ports],
             "exclude_v4": list(self.exclude_v4),
             "exclude_v6": list(self.exclude_v6),
+            "proxy_cgroup": self.proxy_cgroup,
+            "proxy_cgroup_level": self.proxy_cgroup_level,
         }
 
     @classmethod
@@ -79,6 +86,9 @@ class CapturePolicy:
             exclude_ports=tuple((int(a), int(b)) for a, b in ports),
             exclude_v4=tuple(str(x) for x in data.get("exclude_v4") or []),  # type: ignore[attr-defined]
             exclude_v6=tuple(str(x) for x in data.get("exclude_v6") or []),  # type: ignore[attr-defined]
+            proxy_cgroup=(None if data.get("proxy_cgroup") is None
+                          else str(data.get("proxy_cgroup"))),
+            proxy_cgroup_level=int(str(data.get("proxy_cgroup_level") or 0)),
         )
 
 
@@ -228,5 +238,7 @@ def decide(
         exclude_ports=ports,
         exclude_v4=v4,
         exclude_v6=v6,
+        proxy_cgroup=node.proxy_cgroup,
+        proxy_cgroup_level=node.proxy_cgroup_level,
     )
     return CaptureDecision(True, why, policy, tuple(problems))

@@ -3,7 +3,7 @@
 Pure: policy in, text out. The script is one libnftables transaction that creates, deletes
 and re-creates the aether table, so applying it twice is the same as applying it once and a
 pod is never left with half a table. Rule order is the contract:
-mark RETURN → local/builtin RETURNs → annotated RETURNs → redirect.
+proxy RETURN (mark and proxy cgroup) → local/builtin RETURNs → annotated RETURNs → redirect.
 """
 
 from __future__ import annotations
@@ -28,15 +28,27 @@ def _set(items: list[str]) -> str:
     return items[0] if len(items) == 1 else "{ " + ", ".join(items) + " }"
 
 
+def _quote(text: str) -> str:
+    if '"' in text or "\n" in text:
+        raise ValueError(f"cgroup path {text!r} cannot be quoted for nft")
+    return f'"{text}"'
+
+
 def _port(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
 
 
 def render_rules(policy: CapturePolicy) -> list[str]:
     """The chain body, one rule a line, in evaluation order."""
+    mark = f"meta mark & 0x{policy.mark_mask:08x} == 0x{policy.mark:08x}"
+    if policy.proxy_cgroup:
+        # a pod process with CAP_NET_RAW can set the mark; it cannot join the proxy's cgroup
+        own = (f'{mark} socket cgroupv2 level {policy.proxy_cgroup_level} '
+               f'{_quote(policy.proxy_cgroup)} return comment "proxy upstream (mark + proxy cgroup)"')
+    else:
+        own = f'{mark} return comment "proxy upstream (mark only: no cgroup v2 match)"'
     rules = [
-        f"meta mark & 0x{policy.mark_mask:08x} == 0x{policy.mark:08x} return"
-        ' comment "proxy passthrough mark"',
+        own,
         'fib daddr type local return comment "local destination"',
         f'ip daddr {_set(list(BUILTIN_EXCLUDED_V4))} return comment "loopback, link-local, multicast"',
         f'ip6 daddr {_set(list(BUILTIN_EXCLUDED_V6))} return comment "loopback, link-local, multicast"',

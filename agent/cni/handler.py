@@ -26,7 +26,14 @@ from agent.cni import protocol as p
 from agent.cni import request as request_mod
 from agent.config import NodeConfig
 from agent.netns import nft
-from agent.netns.enter import NetnsError, NetnsGone, check_netns_path
+from agent.netns.enter import (
+    NetnsError,
+    NetnsGone,
+    NetnsId,
+    check_netns_path,
+    host_netns_identities,
+    netns_identity,
+)
 from agent.netns.pin import needs_pin, pin, unpin
 from agent.source.base import MetadataSource, PodEvent, SourceError
 from agent.source.model import NamespaceMeta, PodMeta
@@ -105,6 +112,10 @@ class CniHandler:
         # per-container locks that vanish once no request holds them (no growth per pod)
         self._locks: weakref.WeakValueDictionary[str, _PodLock] = weakref.WeakValueDictionary()
         self._locks_guard = threading.Lock()
+        # netns identity → container id of an ADD in progress: two container ids racing into
+        # one namespace see each other before either has a record
+        self._netns_claims: dict[NetnsId, str] = {}
+        self._claims_guard = threading.Lock()
 
     @contextmanager
     def _pod_lock(self, container_id: str) -> Iterator[None]:
@@ -208,27 +219,46 @@ class CniHandler:
         return bool(parse_bool(str(value)))
 
     def _lookup(self, args: dict[str, str]) -> tuple[PodMeta, NamespaceMeta | None] | None:
+        """The pod and its namespace; None when the request is not for a pod.
+
+        Unknown is not "no": a pod or namespace the source cannot answer for (not seen yet,
+        a manifest mid-rewrite or unparsable, an API 404 from a lagging cache) is CNI
+        try-again, never "not managed". Only system namespaces are decided by name alone.
+        """
         ns_name = args.get("K8S_POD_NAMESPACE", "")
         pod_name = args.get("K8S_POD_NAME", "")
         if not ns_name or not pod_name:
             return None
+        uid = args.get("K8S_POD_UID", "")
+        if ns_name in self.node.system_namespaces:  # never captured, whatever the source says
+            return PodMeta(namespace=ns_name, name=pod_name, uid=uid), None
+        where = self.source.describe()
         try:
             pod = self.source.get_pod(ns_name, pod_name)
             namespace = self.source.get_namespace(ns_name)
         except SourceError as e:
             raise CniFailure(
                 p.ERR_TRY_AGAIN,
-                f"cannot read pod {ns_name}/{pod_name} from {self.source.describe()}: "
+                f"cannot read pod {ns_name}/{pod_name} from {where}: "
                 "the pod cannot be captured now",
                 str(e),
             ) from e
         if pod is None:
-            # Unknown to the source: decide from the namespace alone, never skip capture silently.
-            log.warning("pod %s/%s not found in %s; deciding from its namespace", ns_name,
-                        pod_name, self.source.describe())
-            pod = PodMeta(namespace=ns_name, name=pod_name, uid=args.get("K8S_POD_UID", ""))
+            raise CniFailure(
+                p.ERR_TRY_AGAIN,
+                f"pod {ns_name}/{pod_name} is not known to {where} (yet): the agent cannot "
+                "tell whether it is to be captured; try again",
+                _source_problems(self.source),
+            )
+        if namespace is None:
+            raise CniFailure(
+                p.ERR_TRY_AGAIN,
+                f"namespace {ns_name} of pod {ns_name}/{pod_name} is not known to {where} "
+                "(yet): the agent cannot tell whether the pod is to be captured; try again",
+                _source_problems(self.source),
+            )
         if not pod.uid:
-            pod = replace(pod, uid=args.get("K8S_POD_UID", ""))
+            pod = replace(pod, uid=uid)
         return pod, namespace
 
     def _add(self, req: dict[str, Any]) -> bool:
@@ -250,9 +280,52 @@ class CniHandler:
             self._report_problems(pod, decision)
         try:
             check_netns_path(kubelet_netns)
+            ident = netns_identity(kubelet_netns)
         except NetnsError as e:
             raise CniFailure(p.ERR_INVALID_ENV, f"cannot capture {pod.key}: {e}") from e
+        except OSError as e:
+            raise CniFailure(p.ERR_INVALID_ENV, f"cannot capture {pod.key}: netns "
+                             f"{kubelet_netns}: {e.strerror}") from e
+        if ident in host_netns_identities():
+            raise CniFailure(
+                p.ERR_INVALID_ENV,
+                f"refusing to capture {pod.key}: netns {kubelet_netns} is the node's own network "
+                "namespace (the agent's or pid 1's), not a pod's",
+            )
+        with self._netns_claim(ident, cid, pod.key, kubelet_netns):
+            return self._capture(req, pod, decision, fields)
 
+    @contextmanager
+    def _netns_claim(self, ident: NetnsId, cid: str, key: str, path: str) -> Iterator[None]:
+        """Hold `ident` for container `cid`; refuse a netns another container id owns."""
+        with self._claims_guard:
+            owner = self.store.netns_owner(ident, netns_identity, exclude=cid)
+            if owner is not None:
+                raise CniFailure(
+                    p.ERR_INVALID_ENV,
+                    f"refusing to capture {key} (container {cid}): netns {path} is already "
+                    f"captured for {owner.key} (container {owner.container_id})",
+                )
+            other = self._netns_claims.get(ident)
+            if other is not None and other != cid:
+                raise CniFailure(
+                    p.ERR_INVALID_ENV,
+                    f"refusing to capture {key} (container {cid}): netns {path} is being "
+                    f"captured for container {other}",
+                )
+            self._netns_claims[ident] = cid
+        try:
+            yield
+        finally:
+            with self._claims_guard:
+                if self._netns_claims.get(ident) == cid:
+                    del self._netns_claims[ident]
+
+    def _capture(self, req: dict[str, Any], pod: PodMeta, decision: CaptureDecision,
+                 fields: dict[str, str]) -> bool:
+        """Pin, program, record, serve: the pod's netns is checked and claimed."""
+        assert decision.policy is not None
+        cid, kubelet_netns = req["container_id"], req["netns"]
         netns = kubelet_netns
         pinned = False
         if needs_pin(kubelet_netns):
@@ -341,12 +414,14 @@ class CniHandler:
         record = self.store.get(req["container_id"])
         if record is None:
             # Not ours (or already cleaned): still drop a table and a pin a crashed ADD may
-            # have left behind.
-            if req["netns"]:
+            # have left behind, but only in a netns no record owns and never the node's own.
+            cid = req["container_id"]
+            if req["netns"] and self._unowned(req["netns"], cid):
                 self._drop_table(req["netns"])
-            orphan = os.path.join(self.node.run_dir, "netns", req["container_id"])
+            orphan = os.path.join(self.node.run_dir, "netns", cid)
             if os.path.exists(orphan):
-                self._drop_table(orphan)
+                if self._unowned(orphan, cid):
+                    self._drop_table(orphan)
                 self._release_pin(orphan, True)
             self.counters.del_ok += 1
             return
@@ -371,6 +446,27 @@ class CniHandler:
         log.info("DEL %s: capture removed", record.key,
                  extra={"pod": record.name, "namespace": record.namespace})
 
+    def _unowned(self, netns: str, cid: str) -> bool:
+        """May a DEL for unknown container `cid` clean `netns`? Not the node's own netns, not a
+        netns another container's record (or an ADD in progress) owns."""
+        try:
+            ident = netns_identity(netns)
+        except OSError:
+            return True  # gone or unreachable: nothing of anyone's to protect there
+        if ident in host_netns_identities():
+            log.warning("DEL %s: netns %s is the node's own network namespace: left alone",
+                        cid, netns, extra={"container_id": cid})
+            return False
+        with self._claims_guard:
+            owner = self.store.netns_owner(ident, netns_identity, exclude=cid)
+            claimed = self._netns_claims.get(ident)
+        if owner is not None or (claimed is not None and claimed != cid):
+            who = owner.key + f" (container {owner.container_id})" if owner else f"container {claimed}"
+            log.warning("DEL %s: unknown container; its netns %s is captured for %s: left alone",
+                        cid, netns, who, extra={"container_id": cid})
+            return False
+        return True
+
     def _drop_table(self, netns: str) -> None:
         try:
             nft.delete_table(netns)
@@ -385,8 +481,20 @@ class CniHandler:
     def _check(self, req: dict[str, Any]) -> None:
         record = self.store.get(req["container_id"])
         if record is None:
+            self._check_uncaptured(req)
             self.counters.check_ok += 1
             return
+        if req["netns"]:
+            try:
+                mismatch = netns_identity(req["netns"]) != netns_identity(record.netns)
+            except OSError:
+                mismatch = False  # one of them is gone: the table check below tells
+            if mismatch:
+                raise CniFailure(
+                    p.ERR_CHECK_DRIFT,
+                    f"{record.key} was captured in {record.netns}, which is not its netns "
+                    f"{req['netns']}",
+                )
         try:
             live = nft.live_fingerprint(record.netns)
         except (NetnsError, nft.NftError, OSError) as e:
@@ -401,6 +509,31 @@ class CniHandler:
                 "the aether table was modified outside the agent",
             )
         self.counters.check_ok += 1
+
+    def _check_uncaptured(self, req: dict[str, Any]) -> None:
+        """CHECK of a container without a record: fine unless policy says it is captured."""
+        looked = self._lookup(req["args"])
+        if looked is None:
+            return
+        pod, namespace = looked
+        decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        if decision.captured:
+            raise CniFailure(
+                p.ERR_CHECK_DRIFT,
+                f"{pod.key} is to be captured ({decision.reason}) but the agent has no capture "
+                f"for container {req['container_id']}: its traffic bypasses the mesh",
+            )
+
+
+def _source_problems(source: Any) -> str:
+    """What the source reports as wrong (e.g. unparsable manifests), for error details."""
+    seen: list[str] = []
+    while source is not None:
+        for problem in getattr(source, "problems", None) or []:
+            if str(problem) not in seen:
+                seen.append(str(problem))
+        source = getattr(source, "inner", None)
+    return "; ".join(seen[:5])
 
 
 def _fault(point: str) -> None:

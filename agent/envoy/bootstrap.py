@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,7 +21,7 @@ from google.protobuf.message import Message
 
 XDS_CLUSTER = "xds"
 NODE_CLUSTER = "aether"
-DEFAULT_ADMIN_PORT = 15000
+ADMIN_SOCKET_MODE = 0o600  # Envoy's admin can drain every pod's listener: root only
 DEFAULT_MAX_DOWNSTREAM_CONNECTIONS = 50000
 HTTP2_OPTIONS_TYPE = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 INTERNAL_LISTENER_EXTENSION = "envoy.bootstrap.internal_listener"
@@ -33,11 +34,13 @@ DOWNSTREAM_CONN_MONITOR_TYPE = (
 )
 
 
-def _admin_address(admin: str | int) -> dict[str, Any]:
-    """An int (or digit string) is a loopback TCP port; anything else a unix socket path."""
+def _admin_address(admin: str | int, mode: int = ADMIN_SOCKET_MODE) -> dict[str, Any]:
+    """An int (or digit string) is a loopback TCP port (any local user can reach it); anything
+    else a unix socket path, created by Envoy with ``mode`` (``Pipe.mode``: Envoy unlinks,
+    binds, then chmods, so the directory holding it must keep others out too)."""
     if isinstance(admin, int) or str(admin).isdigit():
         return {"socket_address": {"address": "127.0.0.1", "port_value": int(admin)}}
-    return {"pipe": {"path": str(admin)}}
+    return {"pipe": {"path": str(admin), "mode": mode}}
 
 
 def proto_to_json(msg: Message) -> dict[str, Any]:
@@ -48,8 +51,9 @@ def proto_to_json(msg: Message) -> dict[str, Any]:
 def build_bootstrap(
     node_id: str,
     xds_socket: str,
-    admin: str | int = DEFAULT_ADMIN_PORT,
+    admin: str | int,
     *,
+    admin_mode: int = ADMIN_SOCKET_MODE,
     delta: bool = True,
     set_node_on_first_message_only: bool = True,
     max_downstream_connections: int = DEFAULT_MAX_DOWNSTREAM_CONNECTIONS,
@@ -59,7 +63,9 @@ def build_bootstrap(
     static_clusters: Iterable[Message] = (),
     dynamic: bool = True,
 ) -> dict[str, Any]:
-    """Bootstrap that points LDS and CDS at ADS served on ``xds_socket`` (unix socket).
+    """Bootstrap that points LDS and CDS at ADS served on ``xds_socket`` (unix socket), with
+    the admin on ``admin``: a unix socket path (``admin_mode``, default 0600) or a TCP port
+    on 127.0.0.1.
 
     ``initial_fetch_timeout_s=0`` means Envoy waits for xDS before reporting ready, so
     ``/ready`` only turns LIVE once the first config has landed. ``static_*`` embed
@@ -88,7 +94,7 @@ def build_bootstrap(
     }
     boot: dict[str, Any] = {
         "node": {"id": node_id, "cluster": NODE_CLUSTER},
-        "admin": {"address": _admin_address(admin)},
+        "admin": {"address": _admin_address(admin, admin_mode)},
         "static_resources": {
             "clusters": [xds_cluster] + [proto_to_json(c) for c in static_clusters],
         },
@@ -132,6 +138,20 @@ def build_bootstrap(
             "cds_config": dict(ads_source),
         }
     return boot
+
+
+def ensure_private_dir(path: str) -> None:
+    """``path`` exists as a directory of ours that only we can enter (0700), or this raises.
+
+    It holds Envoy's admin socket: Envoy binds the socket before it chmods it, and whoever can
+    reach the admin can stop every pod's listener, so the directory is the real gate."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} must be a directory owned by uid {os.geteuid()} "
+                              f"(it holds Envoy's admin socket)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
 
 
 def write_bootstrap(path: str, bootstrap: Mapping[str, Any]) -> None:

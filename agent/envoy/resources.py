@@ -68,7 +68,7 @@ from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
 from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, struct_pb2
 from google.protobuf.message import Message
 
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
@@ -99,6 +99,12 @@ ORIGINAL_DST_REMOTE_STATE = "envoy.filters.listener.original_dst.remote_ip"
 CAPTURE_LISTENER_STATE = "aether.capture_listener"
 STRING_STATE_FACTORY = "envoy.string"
 CAPTURE_LISTENER_FORMAT = f"%FILTER_STATE({CAPTURE_LISTENER_STATE}:PLAIN)%"
+# The pod's netns path, shared with every upstream hop (TRANSITIVE: it crosses the internal
+# listener): the clusters' local address selector opens the upstream socket in that netns.
+UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
+NETNS_ADDRESS_SELECTOR = "envoy.upstream.local_address_selector.filter_state_override"
+NETNS_ADDRESS_SELECTOR_TYPE = ("type.googleapis.com/envoy.extensions.local_address_selectors."
+                               "filter_state_override.v3.Config")
 
 log = logging.getLogger("agent.envoy.resources")
 
@@ -325,12 +331,13 @@ def detect_ports(gamma: Any, services: Sequence[ServiceView]) -> tuple[int, ...]
     return tuple(sorted(out))
 
 
-def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
-                          ) -> cluster_pb2.Cluster:
+def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float,
+                          mark: int = PASSTHROUGH_MARK) -> cluster_pb2.Cluster:
     """EDS cluster over ADS. Panic mode is off so DRAINING/UNHEALTHY hosts never get
     new connections even when most hosts are out (Kubernetes readiness semantics). It also
     carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
-    backends); tcp_proxy ignores it."""
+    backends); tcp_proxy ignores it. Upstream sockets are opened in the calling pod's netns
+    with the mark, pooled per downstream connection (``upstream_bind_config``)."""
     from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
 
     name = service_cluster_name(view.namespace, view.name, port)
@@ -346,6 +353,8 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
                 resource_api_version=config_source_pb2.V3,
             ),
         ),
+        upstream_bind_config=upstream_bind_config(mark),
+        connection_pool_per_downstream_connection=True,
     )
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
     sp = next((p for p in view.ports if p.port == port), None)
@@ -400,23 +409,28 @@ def _original_dst_filter() -> listener_components_pb2.ListenerFilter:
     return odst
 
 
-def _state_value(key: str, fmt: str, factory: str = "") -> value_pb2.FilterStateValue:
+def _state_value(key: str, fmt: str, factory: str = "", transitive: bool = False
+                 ) -> value_pb2.FilterStateValue:
     return value_pb2.FilterStateValue(
         object_key=key,
         factory_key=factory,
         format_string=substitution_format_string_pb2.SubstitutionFormatString(
             text_format_source={"inline_string": fmt}),
-        shared_with_upstream=value_pb2.FilterStateValue.ONCE,
+        shared_with_upstream=(value_pb2.FilterStateValue.TRANSITIVE if transitive
+                              else value_pb2.FilterStateValue.ONCE),
     )
 
 
 def _capture_chain(pod: PodListener) -> listener_components_pb2.FilterChain:
     """Hand the connection, its original destination/source and the pod listener name to
-    the pod namespace's internal listener (filter state shared with the upstream once)."""
+    the pod namespace's internal listener (filter state shared with the upstream once), and
+    the pod's netns path to every hop after it (transitive), so the final upstream socket is
+    opened inside the pod's netns (see ``upstream_bind_config``)."""
     sfs = set_filter_state_pb2.Config(on_new_connection=[
         _state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
         _state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
         _state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
+        _state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, transitive=True),
     ])
     state_filter = listener_components_pb2.Filter(name="envoy.filters.network.set_filter_state")
     state_filter.typed_config.Pack(sfs)
@@ -560,13 +574,38 @@ def build_namespace_cluster(namespace: str, connect_timeout_s: float) -> cluster
     )
 
 
-def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """ORIGINAL_DST cluster whose upstream sockets are SO_MARKed before bind/connect.
+def _register_selector_config() -> None:
+    """xds-protos does not ship the (empty) selector config message; register it in the
+    default pool so JSON views of our clusters (bootstrap validation, config dumps) resolve
+    its ``@type``. The wire form needs nothing: an Any with the type URL and no bytes."""
+    name = NETNS_ADDRESS_SELECTOR_TYPE.rsplit("/", 1)[1]
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindMessageTypeByName(name)
+        return
+    except KeyError:
+        pass
+    package, _, message = name.rpartition(".")
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name=package.replace(".", "/") + "/config.proto", package=package, syntax="proto3")
+    fdp.message_type.add(name=message)
+    pool.Add(fdp)
 
-    The mark rides in ``upstream_bind_config.socket_options`` *without* a source_address:
-    Envoy then applies the options but does not bind, so IPv4 and IPv6 upstreams both work.
-    Used from the internal listeners, where the destination is the one ``original_dst``
-    restored from filter state.
+
+_register_selector_config()
+
+
+def upstream_bind_config(mark: int) -> address_pb2.BindConfig:
+    """Upstream sockets of captured traffic: opened in the pod's netns, stamped with the mark.
+
+    The ``filter_state_override`` local address selector moves the bind address into the netns
+    named by the ``UPSTREAM_NETNS_STATE`` filter state (set by the pod listener, shared
+    transitively); it only overrides an address that exists, hence the wildcard source
+    addresses (IPv4, and IPv6 as an extra address picked for IPv6 endpoints). Port 0 and the
+    wildcard IP leave the source to the kernel in that netns, as for the pod's own sockets, so
+    the destination sees the pod's address and the pod's routes and policies apply. SO_MARK
+    is set before bind; the pod's rules RETURN the mark only for the proxy's cgroup.
+    Connections without that filter state (none today) would leave from Envoy's own netns.
     """
     opt = socket_option_pb2.SocketOption(
         description="SO_MARK passthrough",
@@ -575,14 +614,32 @@ def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb
         int_value=mark,
         state=socket_option_pb2.SocketOption.STATE_PREBIND,
     )
-    cluster = cluster_pb2.Cluster(
+    bind = address_pb2.BindConfig(
+        source_address=address_pb2.SocketAddress(address="0.0.0.0", port_value=0),
+        socket_options=[opt],
+    )
+    bind.extra_source_addresses.add().address.CopyFrom(
+        address_pb2.SocketAddress(address="::", port_value=0))
+    bind.local_address_selector.name = NETNS_ADDRESS_SELECTOR
+    bind.local_address_selector.typed_config.type_url = NETNS_ADDRESS_SELECTOR_TYPE
+    return bind
+
+
+def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb2.Cluster:
+    """ORIGINAL_DST cluster: the restored original destination, reached from the pod's netns.
+
+    Used from the internal listeners, where the destination is the one ``original_dst``
+    restored from filter state. One connection pool per downstream connection: a pooled
+    upstream connection was opened in one pod's netns and must never carry another's bytes.
+    """
+    return cluster_pb2.Cluster(
         name=PASSTHROUGH_CLUSTER,
         type=cluster_pb2.Cluster.ORIGINAL_DST,
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         connect_timeout=_duration(connect_timeout_s),
-        upstream_bind_config=address_pb2.BindConfig(socket_options=[opt]),
+        upstream_bind_config=upstream_bind_config(mark),
+        connection_pool_per_downstream_connection=True,
     )
-    return cluster
 
 
 def _as_chains(result: ChainResult) -> tuple[listener_components_pb2.FilterChain, ...]:
@@ -611,7 +668,8 @@ class _ServiceTables:
     """The outcome of one pass over the Services (reused while they are the same objects)."""
 
     views: tuple[ServiceView, ...]
-    timeout: float
+    # (connect timeout, passthrough mark): what every Service cluster is built with
+    timeout: tuple[float, int]
     clusters: dict[str, Message]
     assignments: dict[str, Message]
     # (entry, port, shared chain bytes or None) in table order, clash-free
@@ -653,7 +711,7 @@ class ResourceBuilder:
 
     # ---- Services ------------------------------------------------------------------------
 
-    def _service(self, view: ServiceView, timeout: float) -> _ServiceEntry:
+    def _service(self, view: ServiceView, timeout: tuple[float, int]) -> _ServiceEntry:
         old = self._services.get(view.key)
         sig = gamma_signature(self._gamma, view.key)
         if old is not None and old.view is view and old.cluster_key[-1] == timeout \
@@ -679,7 +737,7 @@ class ResourceBuilder:
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
-            clusters = {n: _raw(build_service_cluster(view, p.port, timeout), n)
+            clusters = {n: _raw(build_service_cluster(view, p.port, *timeout), n)
                         for p in tcp_ports
                         for n in [service_cluster_name(view.namespace, view.name, p.port)]}
         eds = {}
@@ -695,7 +753,8 @@ class ResourceBuilder:
 
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
-        if old is not None and old.timeout == state.connect_timeout_s \
+        opts = (state.connect_timeout_s, state.passthrough_mark)
+        if old is not None and old.timeout == opts \
                 and _same(old.views, state.services) and old.gamma is state.gamma:
             return old
         clusters: dict[str, Message] = {}
@@ -707,7 +766,7 @@ class ResourceBuilder:
             if view.key in live:
                 raise ValueError(f"duplicate service {view.key}")
             live.add(view.key)
-            entry = self._service(view, state.connect_timeout_s)
+            entry = self._service(view, opts)
             clusters.update(entry.clusters)
             assignments.update((n, cla) for n, (_, cla) in entry.eds.items())
             for port, claims, chains in entry.ports:
@@ -726,7 +785,7 @@ class ResourceBuilder:
             flat = b"".join(c or b"" for _, _, c in rows)
             prev = old.shared if old is not None else None
             shared = prev if prev is not None and prev == flat else flat
-        tables = _ServiceTables(tuple(state.services), state.connect_timeout_s,
+        tables = _ServiceTables(tuple(state.services), opts,
                                 dict(sorted(clusters.items())), dict(sorted(assignments.items())),
                                 rows, shared, state.gamma)
         if old is not None:  # same objects: keep the dict identity too (cheap to publish)

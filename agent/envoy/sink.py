@@ -18,10 +18,13 @@ from typing import Any
 import psutil
 
 from agent.config import NodeConfig
-from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
+from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
+from agent.envoy.listener_view import ListenerProbe, ListenerState, listener_state
 from agent.envoy.resources import NodeXdsState, PodListener
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.xds import XdsServer
+from agent.netns.enter import NetnsError
+from agent.netns.families import NoLoopback, loopback_families
 from agent.state import CapturedPod
 
 log = logging.getLogger("aether.envoy")
@@ -35,23 +38,38 @@ def listener_name(pod: CapturedPod) -> str:
     return f"capture-{pod.container_id}"
 
 
+def pod_listener(pod: CapturedPod) -> PodListener:
+    """The pod's listener on the loopback families its netns really has (a pod with IPv6
+    disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind)."""
+    v4, v6 = loopback_families(pod.netns)
+    return PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
+                       ipv4=v4, ipv6=v6)
+
+
 class EnvoySink:
-    def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int = 15000,
+    def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int | None = None,
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
-                 hang_timeout: float = 15.0) -> None:
+                 hang_timeout: float = 15.0, cgroup: str | None = None) -> None:
         self.hang_timeout = hang_timeout
         self.hang_kills = 0
+        self.netns_restarts = 0  # Envoy found outside the node netns and restarted
+        import pyroute2  # noqa: F401 - imported once here, not on the first pod's ADD
         self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
         self.node = node
         self.ack_timeout = ack_timeout
         self.dir = os.path.join(node.run_dir, "envoy")
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        ensure_private_dir(self.dir)  # 0700: it holds the admin socket
         self.xds_socket = os.path.join(node.run_dir, "xds.sock")
         self.bootstrap_path = os.path.join(self.dir, "bootstrap.json")
         self.pid_path = os.path.join(self.dir, "envoy.pid")
-        self.admin = f"127.0.0.1:{admin_port}"
+        # Envoy's admin can stop every pod's listener: a root-only unix socket unless a TCP
+        # port (reachable by any local user) is asked for explicitly.
+        self.admin = (os.path.join(self.dir, "admin.sock") if admin_port is None
+                      else f"127.0.0.1:{admin_port}")
         write_bootstrap(self.bootstrap_path, build_bootstrap(
-            node.node_name, self.xds_socket, admin_port, delta=delta))
+            node.node_name, self.xds_socket, self.admin if admin_port is None else admin_port,
+            delta=delta))
+        self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
         self.log_path = os.path.join(self.dir, "envoy.log")
         if concurrency <= 0:
@@ -60,7 +78,8 @@ class EnvoySink:
             concurrency = max(1, (os.cpu_count() or 2) // 2)
         self.supervisor = EnvoySupervisor(binary, self.bootstrap_path, self.admin,
                                           concurrency=concurrency, log_file=self.log_path,
-                                          use_keeper=True, on_spawn=self._write_pid)
+                                          use_keeper=True, on_spawn=self._write_pid,
+                                          cgroup=cgroup)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
         self._services: tuple[Any, ...] = ()
@@ -76,9 +95,14 @@ class EnvoySink:
         reconnecting Envoy is told nothing changed (no listener drained and re-bound)."""
         with self._lock:
             for pod in pods:
-                self._pods[pod.container_id] = PodListener(uid=pod.container_id,
-                                                           netns_path=pod.netns,
-                                                           namespace=pod.namespace)
+                try:
+                    self._pods[pod.container_id] = pod_listener(pod)
+                except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
+                    # reconcile re-pins or drops it next; until then serve what was recorded
+                    log.warning("cannot read the loopback of recorded pod %s (%s): serving "
+                                "both families until reconcile settles it", pod.key, e)
+                    self._pods[pod.container_id] = PodListener(
+                        uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace)
 
     def start(self) -> None:
         self.supervisor.check_version()
@@ -109,6 +133,7 @@ class EnvoySink:
                 last_pid, last_answer = pid, time.monotonic()
             if pid is None:
                 continue
+            self.check_envoy_netns("periodic check")
             try:
                 admin_request(self.admin, "GET", "/ready", timeout=1.0)
                 last_answer = time.monotonic()
@@ -123,6 +148,31 @@ class EnvoySink:
                     except ProcessLookupError:
                         pass
                     last_answer = time.monotonic()
+
+    def check_envoy_netns(self, why: str) -> bool:
+        """Envoy enters a pod's netns to bind its listener; on a failed bind it can stay there
+        (docs/envoy-netns-leak.md), and every socket its main thread opens afterwards lands in
+        that pod's network. Compare Envoy's netns with ours; if it moved, restart it (the
+        listeners come back from xDS, pods stay captured). True when Envoy is where it belongs."""
+        pid = self.pid
+        if pid is None:
+            return True
+        try:
+            here = os.stat("/proc/self/ns/net")
+            there = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:
+            return True  # exited meanwhile: the supervisor restarts it
+        if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+            return True
+        self.netns_restarts += 1
+        log.error("envoy pid=%d is in netns inode %d, not the node's (%d) (%s): restarting it "
+                  "so no socket of the node proxy opens in a pod's network", pid, there.st_ino,
+                  here.st_ino, why)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return False
 
     def _spawn(self) -> None:
         self.supervisor.start()
@@ -226,6 +276,7 @@ class EnvoySink:
                 return
             nack = self.xds.status().get("last_nack")
             if nack and str(nack.get("version")) == version:
+                self.check_envoy_netns(f"after the NACK of {what}")
                 raise ListenerNotConfirmed(f"Envoy rejected {what}: {nack.get('error_detail')}")
             if time.monotonic() >= deadline:
                 raise ListenerNotConfirmed(
@@ -234,8 +285,10 @@ class EnvoySink:
                     f"{self.xds.status().get('connected_streams')})")
 
     def add_pod(self, pod: CapturedPod) -> None:
-        # Both loopbacks exist in every netns: bind both so neither family is refused.
-        listener = PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace)
+        try:
+            listener = pod_listener(pod)
+        except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
+            raise ListenerNotConfirmed(f"cannot read the loopback of {pod.key}: {e}") from e
         with self._lock:
             self._pods[pod.container_id] = listener
             version = self._publish()
@@ -257,6 +310,15 @@ class EnvoySink:
     def has_listener(self, container_id: str) -> bool:
         with self._lock:
             return container_id in self._pods
+
+    def listener_states(self, container_ids: list[str]) -> dict[str, ListenerState]:
+        """Each pod's listener as Envoy holds it (its admin's view plus our last NACK), not
+        as the agent intends it. One cached, time-bounded admin probe for all pods."""
+        x = self.xds.status()
+        view = self.listener_probe.view(key=(self.pid, x.get("version"), str(x.get("acked")),
+                                             x.get("nack_count")))
+        return {cid: listener_state(f"capture-{cid}", view, x.get("last_nack"))
+                for cid in container_ids}
 
     def remove_pod(self, pod: CapturedPod) -> None:
         with self._lock:
@@ -287,6 +349,7 @@ class EnvoySink:
         return {
             **sup,
             "ready": ready,
+            "admin": self.admin,
             "listeners": len(self._pods),
             "xds_version": x.get("version"),
             "acked_version": x.get("acked"),
@@ -294,5 +357,6 @@ class EnvoySink:
             "nack_count": x.get("nack_count"),
             "last_nack": x.get("last_nack"),
             "hang_kills": self.hang_kills,
+            "netns_restarts": self.netns_restarts,
             "degraded": bool(sup.get("degraded")) or not ready,
         }

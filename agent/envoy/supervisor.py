@@ -108,6 +108,12 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
+# Join a cgroup, then become the given command (the supervisor's no-keeper path).
+_JOIN_AND_EXEC = ("import os,sys\n"
+                  "open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w').write('0')\n"
+                  "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
 def relay_envoy_line(logger: logging.Logger, raw: bytes) -> None:
     """One line of Envoy output into the agent's log stream, at Envoy's own level."""
     line = raw.decode(errors="replace").rstrip()
@@ -209,7 +215,10 @@ class EnvoySupervisor:
         log_file: str | None = None,
         use_keeper: bool = False,
         on_spawn: Callable[[int], None] | None = None,
+        cgroup: str | None = None,
     ) -> None:
+        # the proxy's cgroup v2 directory (agent.netns.cgroup): Envoy is started inside it
+        self.cgroup = cgroup
         self.on_spawn = on_spawn  # told the child pid after every (re)spawn: pid files
         self.log_file = log_file
         self.use_keeper = use_keeper
@@ -269,7 +278,11 @@ class EnvoySupervisor:
             out = subprocess.PIPE
         cmd = self._cmd()
         if self.use_keeper:
-            cmd = [sys.executable, "-m", "agent.envoy.keeper", "--", *cmd]
+            where = ["--cgroup", self.cgroup] if self.cgroup else []
+            cmd = [sys.executable, "-m", "agent.envoy.keeper", *where, "--", *cmd]
+        elif self.cgroup:
+            # no keeper: the child joins the cgroup before exec (nothing else runs in between)
+            cmd = [sys.executable, "-I", "-S", "-c", _JOIN_AND_EXEC, self.cgroup, *cmd]
         try:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)

@@ -63,6 +63,42 @@ def netns_inode(path: str) -> int:
     return os.stat(path).st_ino
 
 
+NetnsId = tuple[int, int]
+
+#: The namespaces that are the node's own: the agent's (it runs in the host netns) and init's.
+HOST_NETNS_PATHS = ("/proc/self/ns/net", "/proc/thread-self/ns/net", "/proc/1/ns/net")
+
+
+def netns_identity(path: str) -> NetnsId:
+    """(st_dev, st_ino) of the namespace behind `path`: the same for /proc/<pid>/ns/net, a
+    bind mount of it (a pin, `ip netns add`), and every other path to that one namespace.
+    OSError when the path is gone or unreadable."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def host_netns_identities(paths: tuple[str, ...] = HOST_NETNS_PATHS) -> set[NetnsId]:
+    """Identities of the node's own namespaces; a path that cannot be read is left out."""
+    out: set[NetnsId] = set()
+    for p in paths:
+        try:
+            out.add(netns_identity(p))
+        except OSError:
+            continue
+    return out
+
+
+def is_host_netns(path: str, host: set[NetnsId] | None = None) -> bool:
+    """True when `path` is the agent's or the node's (pid 1's) network namespace.
+
+    A path that cannot be stat'ed is not the host's (callers fail on it anyway)."""
+    try:
+        ident = netns_identity(path)
+    except OSError:
+        return False
+    return ident in (host_netns_identities() if host is None else host)
+
+
 def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()

@@ -42,7 +42,10 @@ class SourceError(Exception):
 
 class MetadataSource(Protocol):
     def get_pod(self, namespace: str, name: str) -> PodMeta | None:
-        """The pod, None if it does not exist; SourceError if the source cannot answer."""
+        """The pod, None if it does not exist; SourceError if the source cannot answer.
+
+        The CNI handler treats None (and a None namespace) as "not known yet" — try-again,
+        never "not managed"."""
         ...
 
     def get_namespace(self, name: str) -> NamespaceMeta | None:

@@ -2,7 +2,9 @@
 
 The CNI path must keep working when the API server is slow, failing or restarting: pods
 and namespaces the watcher already holds are answered from memory; only a miss (a pod so
-new the watch has not delivered it yet) goes to the API, with its retries.
+new the watch has not delivered it yet) goes to the API, with its retries. A miss the API
+answers with 404 is None here, and None is never "not managed": the CNI handler answers
+try-again (kubelet retries) until the pod and its namespace are known.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ pods are the endpoints of the Services local pods dial. That is O(cluster pods) 
 node; a later issue can narrow it to pods selected by in-scope Services.
 
 Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp), re-reads it with
-``load_objects`` and feeds the diff, so ``--manifests`` and the API produce the same events.
+``ManifestDir`` and feeds the diff, so ``--manifests`` and the API produce the same events. A
+file that fails to parse (or is caught mid-rewrite) keeps its last good objects in the store
+rather than turning into DELETED events (see ``agent.source.manifests``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, diff_snapshots, object_key
-from agent.source.manifests import dir_stamp, load_objects
+from agent.source.manifests import ManifestDir, dir_stamp
 
 log = logging.getLogger("aether.source.watch")
 
@@ -329,6 +331,7 @@ class ManifestWatcher:
         self.problems: list[str] = []
         self.reads = 0
         self._stamp: tuple[tuple[str, float, int], ...] | None = None
+        self._dir = ManifestDir(directory)
         self._last: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._synced = threading.Event()
         self._thread: threading.Thread | None = None
@@ -362,9 +365,9 @@ class ManifestWatcher:
         if not os.path.isdir(self.directory):
             raise SourceError(f"manifest directory {self.directory} does not exist")
         stamp = dir_stamp(self.directory)
-        if stamp == self._stamp:
+        if stamp == self._stamp and not self._dir.pending:
             return []
-        objects, problems = load_objects(self.directory)
+        objects, problems = self._dir.read()
         for p in problems:
             if p not in self.problems:
                 log.warning("manifest problem: %s", p)
