@@ -9,6 +9,7 @@ import datetime
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,17 @@ def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
     out.append(("envoy_path", "through capture, latency p50", _ms(m["captured"]["p50_ms"]),
                 f"direct {_ms(m['direct']['p50_ms'])}", f"+{dp['p50_delta_ms']:.2f} ms",
                 ("PASS" if dp["p50_target_met"] else "MISS") + " (≤ +0.3 ms)"))
+    nc = dp.get("new_connection_per_request")
+    if nc:
+        cap = [r["rps"] for r in nc["runs"] if r["mode"] == "captured"]
+        dr = [r["rps"] for r in nc["runs"] if r["mode"] == "direct"]
+        ratios = nc["rps_ratios"]
+        out.append(("envoy_path", "new connection per request, requests/s",
+                    f"{statistics.median(cap):.0f}" if cap else "-",
+                    f"direct {statistics.median(dr):.0f}" if dr else "-",
+                    f"{nc['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
+                    if ratios else "-",
+                    ("PASS" if nc["target_met"] else "MISS") + f" (≥ {nc['target']:g}×)"))
     return out
 
 

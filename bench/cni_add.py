@@ -6,7 +6,7 @@ For every concurrency level, fresh pods get a sandbox (netns, loopback, bridge +
 outside the timed region; then only the exec of the `aether-cni` ADD is timed (subprocess
 wall time, fork to exit). The floor is measured on the same pods in the same run: the
 ruleset the agent programs (rendered from the decided policy) applied with
-`ip netns exec <ns> nft -f <file>`. Target: ADD p50 ≤ 2× floor p50. Root only.
+`nsenter --net=<netns> nft -f <file>`. Target: ADD p50 ≤ 2× floor p50. Root only.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class Level:
 class Bench:
     def __init__(self, workdir: str, pods: int, levels: list[int]) -> None:
         self.workdir = workdir
+        self._node: NodeConfig | None = None
         self.bridge = f"aetbn{uuid.uuid4().hex[:8]}"  # ≤ 15 chars (IFNAMSIZ)
         self.agent: AgentProc = make_agent(workdir, NAMESPACE)
         self.kubelet = Kubelet(workdir, self.bridge, SUBNET4, SUBNET6, {
@@ -99,12 +100,20 @@ class Bench:
                  "(netns, lo, bridge+host-local; untimed) …")
         pool_map(one, level.pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
 
+    def node_config(self) -> NodeConfig:
+        """The node settings that shape the rules: the proxy cgroup the running agent found."""
+        if self._node is None:
+            ci = self.agent.status().get("capture_integrity") or {}
+            self._node = NodeConfig(proxy_cgroup=ci.get("cgroup"),
+                                    proxy_cgroup_level=int(ci.get("level") or 0))
+        return self._node
+
     def ruleset_file(self, pod: Pod) -> str:
         """The ruleset the agent programs for this pod, from the same decision function."""
         decision = decide(
             PodMeta(namespace=pod.namespace, name=pod.name, uid=pod.uid),
             NamespaceMeta(NAMESPACE, {"aether.io/managed": "true"}),
-            NodeConfig(),
+            self.node_config(),
             redirect_all_default=True,
         )
         if not decision.captured or decision.policy is None:
@@ -137,11 +146,13 @@ class Bench:
         files = {p.container_id: self.ruleset_file(p) for p in level.pods}
 
         def one(pod: Pod) -> float:
-            elapsed, _ = timed_run(["ip", "netns", "exec", pod.netns_name, "nft", "-f",
+            # nsenter, not `ip netns exec`: that remounts /sys, hiding /sys/fs/cgroup where nft
+            # resolves the rules' proxy cgroup (and costing a mount namespace the agent never pays)
+            elapsed, _ = timed_run(["nsenter", f"--net={pod.netns}", "nft", "-f",
                                     files[pod.container_id]])
             return elapsed
 
-        progress(f"[c={level.concurrency}] timing floor (ip netns exec … nft -f) …")
+        progress(f"[c={level.concurrency}] timing floor (nsenter --net … nft -f) …")
         t0 = time.perf_counter()
         level.floor = pool_map(one, level.pods, level.concurrency, "floor")
         level.floor_wall_s = time.perf_counter() - t0
@@ -153,7 +164,7 @@ class Bench:
         if counters.get("add_ok") != expected:
             raise RuntimeError(f"agent counted {counters} captured ADDs, expected {expected}")
         pod = level.pods[0]
-        listing = subprocess.run(["ip", "netns", "exec", pod.netns_name, "nft", "list", "table",
+        listing = subprocess.run(["nsenter", f"--net={pod.netns}", "nft", "list", "table",
                                   "inet", "aether"], capture_output=True, text=True, check=True)
         key = os.path.basename(self.ruleset_file(pod))[len("ruleset-"):-len(".nft")]
         if key not in listing.stdout:
@@ -215,7 +226,7 @@ def report(levels: list[Level], breakdown: dict[str, Stats], machine: dict[str, 
     print()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     print(f"aether-cni ADD (exec wall time, as kubelet sees it) vs floor "
-          f"(ip netns exec <ns> nft -f <same ruleset>), {pods} fresh pods per level, ms")
+          f"(nsenter --net=<netns> nft -f <same ruleset>), {pods} fresh pods per level, ms")
     head = (f"{'conc':>4} | {'ADD p50':>8} {'ADD p99':>8} {'ADD mean':>8} | "
             f"{'floor p50':>9} {'floor p99':>9} {'floor mean':>10} | "
             f"{'ratio p50':>9} | {'ADD pods/s':>10} | target p50 ≤ {TARGET_RATIO:g}× floor")
@@ -237,7 +248,7 @@ def report(levels: list[Level], breakdown: dict[str, Stats], machine: dict[str, 
         "machine": machine,
         "pods_per_level": pods,
         "target": f"ADD p50 <= {TARGET_RATIO:g}x floor p50",
-        "floor": "ip netns exec <ns> nft -f <render_ruleset(decide(...))>",
+        "floor": "nsenter --net=<netns> nft -f <render_ruleset(decide(...))>",
         "levels": rows,
         "breakdown": {k: v.to_json() for k, v in breakdown.items()},
         "all_targets_met": all(r["target_met"] for r in rows),
