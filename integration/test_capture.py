@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -51,6 +52,26 @@ def test_prev_result_is_returned_unchanged(node: Node) -> None:
     pod.result = out
 
 
+_CGROUP_DIAL = """
+import ctypes, os, socket, sys
+open(os.path.join(sys.argv[1], "cgroup.procs"), "w").write("0")
+fd = os.open(sys.argv[2], os.O_RDONLY)
+assert ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) == 0
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[3] else socket.AF_INET)
+s.setsockopt(socket.SOL_SOCKET, 36, int(sys.argv[5]))
+s.settimeout(3)
+s.connect((sys.argv[3], int(sys.argv[4])))
+print(s.recv(64).decode())
+"""
+
+
+def _dial_from_cgroup(group: str, netns: str, addr: str, port: int, mark: int) -> str:
+    """Dial from a process that joined ``group`` (the proxy's cgroup), with ``mark`` set."""
+    out = subprocess.run([sys.executable, "-I", "-c", _CGROUP_DIAL, group, netns, addr,
+                          str(port), str(mark)], capture_output=True, text=True, timeout=20)
+    return out.stdout.strip() or f"error: {out.stderr.strip()[-200:]}"
+
+
 def test_exclusions_go_direct(node: Node) -> None:
     pod = node.pod(annotations={
         "capture.aether.io/exclude-outbound-ports": "5432",
@@ -91,11 +112,17 @@ def test_exclusions_go_direct(node: Node) -> None:
         own = netns_server(pod.netns, pod_ip4, 9098, b"self")
         assert dial(pod.netns, pod_ip4, 9098) == "self"
         own.close()
-        # the proxy's mark goes direct, under the mask (upper bits ignored)
-        assert dial(pod.netns, GW4, port, mark=0xAE) == "direct"
-        assert dial(pod.netns, GW4, port, mark=0x1200AE) == "direct"
-        assert dial(pod.netns, GW6, port, mark=0xAE) == "direct"
-        assert dial(pod.netns, GW4, port, mark=0xAF) == "captured"
+        # the proxy's mark goes direct only from the proxy's cgroup, under the mask
+        ci = node.agent.status()["capture_integrity"]
+        assert ci["problem"] is None and ci["cgroup"]
+        group = os.path.join("/sys/fs/cgroup", ci["cgroup"])
+        assert _dial_from_cgroup(group, pod.netns, GW4, port, 0xAE) == "direct"
+        assert _dial_from_cgroup(group, pod.netns, GW4, port, 0x1200AE) == "direct"
+        assert _dial_from_cgroup(group, pod.netns, GW6, port, 0xAE) == "direct"
+        assert _dial_from_cgroup(group, pod.netns, GW4, port, 0xAF) == "captured"
+        # anyone else setting the mark (this test process is not in that cgroup) is captured
+        assert dial(pod.netns, GW4, port, mark=0xAE) == "captured"
+        assert dial(pod.netns, GW6, port, mark=0xAE) == "captured"
         peers = {p for p, _ in srv.seen}
         assert pod_ip4 in peers and pod_ip6 in peers
     finally:

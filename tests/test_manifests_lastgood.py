@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,8 +167,12 @@ def test_unchanged_files_are_not_parsed_again(tmp_path: Path,
     d.read()
     parsed: list[str] = []
     real = manifests.parse_manifest
-    monkeypatch.setattr(manifests, "parse_manifest",
-                        lambda path, data: parsed.append(path) or real(path, data))
+
+    def counting(path: str, data: bytes) -> Any:
+        parsed.append(path)
+        return real(path, data)
+
+    monkeypatch.setattr(manifests, "parse_manifest", counting)
     rewrite(tmp_path / "pod.yaml", POD.replace("web", "api"))
     objects, _ = d.read()
     assert parsed == [str(tmp_path / "pod.yaml")]
