@@ -200,10 +200,6 @@ class ListenerProbe:
             self._cached = (self.clock(), key, view)
             return view
 
-    def invalidate(self) -> None:
-        with self._lock:
-            self._cached = None
-
     def _get(self, path: str, deadline: float) -> Any:
         left = deadline - self.clock()
         if left <= 0:

@@ -292,7 +292,17 @@ class EnvoySink:
         with self._lock:
             self._pods[pod.container_id] = listener
             version = self._publish()
-        self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
+        try:
+            self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
+        except ListenerNotConfirmed:
+            # The ADD fails (kubelet retries or DELs). A rejected listener must not stay in the
+            # config: every Envoy restart would be asked for it again and NACK it again (with a
+            # failed bind, each NACK can also strand Envoy in the pod's netns → restart loop).
+            with self._lock:
+                if self._pods.get(pod.container_id) is listener:
+                    del self._pods[pod.container_id]
+                    self._publish()
+            raise
 
     def set_services(self, views: list[Any], gamma: Any = None) -> str:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
