@@ -286,3 +286,55 @@ def test_status_names_the_unforgeable_return(enode: EnvoyNode) -> None:
     out = subprocess.run(["aether-agent", "status", "--run-dir", enode.agent.run_dir],
                          capture_output=True, text=True, timeout=30)
     assert "capture integrity: proxy RETURN by mark + socket cgroupv2" in out.stdout
+
+
+def test_a_pod_holding_its_capture_port_across_an_envoy_restart_cannot_loop_the_proxy(
+        enode: EnvoyNode) -> None:
+    """A pod process can bind 127.0.0.1:15001 in its own netns while the node Envoy restarts
+    (any uid: the port is above 1024). The new Envoy's bind of that pod's listener then fails
+    — and can strand Envoy in the pod's netns. The agent withdraws the listener Envoy named in
+    its NACK: the node's Envoy settles, every other pod is served, the squatting pod fails
+    closed (its connections reach only its own squatter) and status says why."""
+    good, bad = enode.pod(), enode.pod()
+    enode.add(good)
+    enode.add(bad)
+    srv, port = host_server()
+    around = _tap(enode, bad, GW4, port)
+    old = enode.envoy_pid()
+    os.kill(old, signal.SIGKILL)
+    squatter = None
+    deadline = time.monotonic() + 5
+    while squatter is None:
+        try:
+            squatter = run_in_netns(bad.netns,
+                                    lambda: socket.create_server(("127.0.0.1", 15001)))
+        except OSError:
+            assert time.monotonic() < deadline, "the dead Envoy's socket never went away"
+            time.sleep(0.01)
+    try:
+        node = _netns_id("/proc/self/ns/net")
+        deadline = time.monotonic() + 30
+        while True:  # a new Envoy, at home, serving the good pod
+            try:
+                pid = enode.envoy_pid()
+                if pid != old and _netns_id(f"/proc/{pid}/ns/net") == node \
+                        and dial(good.netns, GW4, port, timeout=1) == "direct":
+                    break
+            except (OSError, AssertionError):
+                pass
+            assert time.monotonic() < deadline, "the node Envoy never settled"
+            time.sleep(0.2)
+        time.sleep(5)  # no restart loop: the same Envoy, still at home, still serving
+        assert enode.envoy_pid() == pid
+        assert _netns_id(f"/proc/{pid}/ns/net") == node
+        assert dial(good.netns, GW4, port) == "direct"
+        st = {p["pod"]: p for p in enode.agent.status()["pods"]}
+        assert st[f"app/{bad.name}"]["listener"] == "rejected"
+        assert "cannot bind '127.0.0.1:15001'" in st[f"app/{bad.name}"]["listener_detail"]
+        assert st[f"app/{good.name}"]["listener"] == "live"
+        # the squatting pod's own traffic still never leaves around the proxy
+        assert not dial(bad.netns, GW4, port, timeout=1).startswith("direct")
+        assert around.counts()["other"] == 0
+    finally:
+        squatter.close()
+        srv.close()

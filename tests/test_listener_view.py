@@ -17,6 +17,7 @@ from agent.envoy.listener_view import (
     EnvoyListeners,
     ListenerProbe,
     listener_state,
+    nack_names,
     parse_config_dump,
     parse_stopped,
 )
@@ -219,3 +220,13 @@ def test_status_rendering_names_the_listener_problem() -> None:
                       "netns": "/n", "ips": [], "rules_verified": "ok", "listener": "capture-c",
                       "listener_state": "stopped", "listener_detail": "drained"})
     assert "listener capture-c: stopped (drained)" in one
+
+
+def test_nack_names_whole_listener_names_only() -> None:
+    """What the sink withdraws after a NACK: exactly the pod listeners Envoy names."""
+    detail = ("Error adding/updating listener(s) capture-c1: cannot bind '127.0.0.1:15001': "
+              "Address already in use\ncapture-c3: cannot bind '[::1]:15001'\n")
+    assert nack_names("capture-c1", detail) and nack_names("capture-c3", detail)
+    assert not nack_names("capture-c", detail)  # a prefix of another id
+    assert not nack_names("capture-c2", detail)
+    assert not nack_names("capture-c1", "Error adding/updating listener(s) capture-c10: x")

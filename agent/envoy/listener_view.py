@@ -128,13 +128,18 @@ def parse_stopped(doc: Mapping[str, Any]) -> int:
     return 0
 
 
+def nack_names(name: str, detail: str) -> bool:
+    """Whether Envoy's NACK message names this listener (pure).
+    Envoy: "Error adding/updating listener(s) capture-a: <why>" (one line per listener)."""
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", detail) is not None
+
+
 def _nack_naming(name: str, last_nack: Mapping[str, Any] | None) -> str:
     """The xDS server's last listener NACK, when Envoy's message names this listener."""
     if not last_nack or last_nack.get("type_url") != LISTENER_TYPE:
         return ""
     detail = str(last_nack.get("error_detail") or "").strip()
-    # Envoy: "Error adding/updating listener(s) capture-a: <why>" (one line per listener)
-    return detail if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", detail) else ""
+    return detail if nack_names(name, detail) else ""
 
 
 def listener_state(name: str, view: EnvoyListeners,

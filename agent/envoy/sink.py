@@ -19,8 +19,14 @@ import psutil
 
 from agent.config import NodeConfig
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
-from agent.envoy.listener_view import ListenerProbe, ListenerState, listener_state
-from agent.envoy.resources import NodeXdsState, PodListener
+from agent.envoy.listener_view import (
+    REJECTED,
+    ListenerProbe,
+    ListenerState,
+    listener_state,
+    nack_names,
+)
+from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.xds import XdsServer
 from agent.netns.enter import NetnsError
@@ -71,6 +77,7 @@ class EnvoySink:
             delta=delta))
         self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
+        self.xds.on_nack = self._on_nack
         self.log_path = os.path.join(self.dir, "envoy.log")
         if concurrency <= 0:
             # the node Envoy shares the node with the pods it serves: half the CPUs (measured
@@ -82,6 +89,9 @@ class EnvoySink:
                                           cgroup=cgroup)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
+        # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
+        self._rejected: dict[str, str] = {}
+        self._netns_killed: int | None = None  # the Envoy pid last killed for its netns
         self._services: tuple[Any, ...] = ()
         self._gamma: Any = None
         self._lock = threading.Lock()
@@ -164,6 +174,9 @@ class EnvoySink:
             return True  # exited meanwhile: the supervisor restarts it
         if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
             return True
+        if pid == self._netns_killed:
+            return False  # already killed for this; the supervisor is restarting it
+        self._netns_killed = pid
         self.netns_restarts += 1
         log.error("envoy pid=%d is in netns inode %d, not the node's (%d) (%s): restarting it "
                   "so no socket of the node proxy opens in a pod's network", pid, there.st_ino,
@@ -266,17 +279,25 @@ class EnvoySink:
                              services=self._services, gamma=self._gamma)
         return self.xds.set_state(state)
 
-    def _confirm(self, version: str, what: str) -> None:
+    def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
+        """Wait for Envoy's ACK of ``version``. With ``pod_id``: a later version may be ACKed
+        only because that pod's listener was withdrawn after a NACK (``_on_nack``); that is
+        a rejection, never a confirmation."""
         started = time.monotonic()
         deadline = started + self.ack_timeout
         while True:
-            if self.xds.wait_acked(version, min(0.2, max(0.0, deadline - time.monotonic()))):
+            acked = self.xds.wait_acked(version, min(0.2, max(0.0, deadline - time.monotonic())))
+            if pod_id is not None:
+                with self._lock:
+                    reason = self._rejected.get(pod_id)
+                if reason is not None:
+                    raise ListenerNotConfirmed(f"Envoy rejected {what}: {reason}")
+            if acked:
                 if self.metrics is not None:
                     self.metrics.observe_xds_push(time.monotonic() - started)
                 return
             nack = self.xds.status().get("last_nack")
             if nack and str(nack.get("version")) == version:
-                self.check_envoy_netns(f"after the NACK of {what}")
                 raise ListenerNotConfirmed(f"Envoy rejected {what}: {nack.get('error_detail')}")
             if time.monotonic() >= deadline:
                 raise ListenerNotConfirmed(
@@ -290,19 +311,29 @@ class EnvoySink:
         except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
             raise ListenerNotConfirmed(f"cannot read the loopback of {pod.key}: {e}") from e
         with self._lock:
+            self._rejected.pop(pod.container_id, None)
             self._pods[pod.container_id] = listener
             version = self._publish()
-        try:
-            self._confirm(version, f"listener {listener_name(pod)} for {pod.key}")
-        except ListenerNotConfirmed:
-            # The ADD fails (kubelet retries or DELs). A rejected listener must not stay in the
-            # config: every Envoy restart would be asked for it again and NACK it again (with a
-            # failed bind, each NACK can also strand Envoy in the pod's netns → restart loop).
+        self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id)
+
+    def _on_nack(self, type_url: str, detail: str) -> None:
+        """Envoy rejected a config. Pod listeners it names are withdrawn: left in, every Envoy
+        (re)start would be asked for them again and NACK again, and a failed bind can strand
+        Envoy in the pod's netns, so a pod that holds its own capture port (it can bind it
+        while Envoy restarts) would keep the node's Envoy in a restart loop. The pod fails
+        closed instead (redirect rules stay, nothing listens) and status names the reason."""
+        if type_url == LISTENER_TYPE:
             with self._lock:
-                if self._pods.get(pod.container_id) is listener:
-                    del self._pods[pod.container_id]
+                named = [cid for cid in self._pods if nack_names(f"capture-{cid}", detail)]
+                for cid in named:
+                    del self._pods[cid]
+                    self._rejected[cid] = detail.strip()
+                if named:
+                    log.error("envoy rejected the listener of %d pod(s); withdrawn, their "
+                              "traffic is refused until they are re-added: %s", len(named),
+                              detail.strip())
                     self._publish()
-            raise
+        self.check_envoy_netns("after a NACK")
 
     def set_services(self, views: list[Any], gamma: Any = None) -> str:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
@@ -327,11 +358,16 @@ class EnvoySink:
         x = self.xds.status()
         view = self.listener_probe.view(key=(self.pid, x.get("version"), str(x.get("acked")),
                                              x.get("nack_count")))
-        return {cid: listener_state(f"capture-{cid}", view, x.get("last_nack"))
+        with self._lock:
+            rejected = {cid: self._rejected[cid] for cid in container_ids
+                        if cid in self._rejected and cid not in self._pods}
+        return {cid: (ListenerState(REJECTED, rejected[cid]) if cid in rejected
+                      else listener_state(f"capture-{cid}", view, x.get("last_nack")))
                 for cid in container_ids}
 
     def remove_pod(self, pod: CapturedPod) -> None:
         with self._lock:
+            self._rejected.pop(pod.container_id, None)
             if self._pods.pop(pod.container_id, None) is None:
                 return
             version = self._publish()

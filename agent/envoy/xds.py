@@ -24,7 +24,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +114,8 @@ class XdsServer:
         self._nack_count = 0
         self._last_nack: dict[str, Any] | None = None
         self._nacked: dict[str, int] = {}  # type → newest NACKed version
+        # told (type_url, Envoy's error message) of every NACK, on a thread of its own
+        self.on_nack: Callable[[str, str], None] | None = None
         self._server: grpc.Server | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -453,6 +455,9 @@ class XdsServer:
                 }
                 self.log.warning("Envoy NACKed %s version %d: %s", type_url, version,
                                  error.message)
+                if self.on_nack is not None:  # off this stream's thread and its locks
+                    threading.Thread(target=self.on_nack, args=(type_url, error.message),
+                                     name="xds-nack", daemon=True).start()
             else:
                 self._ack(st, type_url, version)
                 self.log.debug("stream %d ACKed %s v%d", st.sid, type_url, version)
