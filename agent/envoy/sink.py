@@ -29,7 +29,7 @@ from agent.envoy.listener_view import (
 from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.xds import XdsServer
-from agent.netns.enter import NetnsError
+from agent.netns.enter import NetnsError, netns_identity
 from agent.netns.families import NoLoopback, loopback_families
 from agent.state import CapturedPod
 
@@ -168,19 +168,19 @@ class EnvoySink:
         if pid is None:
             return True
         try:
-            here = os.stat("/proc/self/ns/net")
-            there = os.stat(f"/proc/{pid}/ns/net")
+            here = netns_identity("/proc/self/ns/net")
+            there = netns_identity(f"/proc/{pid}/ns/net")
         except OSError:
             return True  # exited meanwhile: the supervisor restarts it
-        if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+        if here == there:
             return True
         if pid == self._netns_killed:
             return False  # already killed for this; the supervisor is restarting it
         self._netns_killed = pid
         self.netns_restarts += 1
         log.error("envoy pid=%d is in netns inode %d, not the node's (%d) (%s): restarting it "
-                  "so no socket of the node proxy opens in a pod's network", pid, there.st_ino,
-                  here.st_ino, why)
+                  "so no socket of the node proxy opens in a pod's network", pid, there[1],
+                  here[1], why)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

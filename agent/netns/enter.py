@@ -59,10 +59,6 @@ def check_netns_path(path: str) -> str:
     return path
 
 
-def netns_inode(path: str) -> int:
-    return os.stat(path).st_ino
-
-
 NetnsId = tuple[int, int]
 
 #: The namespaces that are the node's own: the agent's (it runs in the host netns) and init's.
