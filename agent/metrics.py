@@ -21,6 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.bounded import BoundedThreadingMixIn
+
 log = logging.getLogger("aether.metrics")
 
 CNI_COMMANDS = ("ADD", "DEL", "CHECK")
@@ -142,9 +144,17 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class _Server(ThreadingHTTPServer):
+# Probes and scrapes are a handful of connections; an idle one is dropped after the timeout.
+METRICS_MAX_CONNECTIONS = 32
+METRICS_REQUEST_TIMEOUT_S = 10.0
+
+
+class _Server(BoundedThreadingMixIn, ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    max_connections = METRICS_MAX_CONNECTIONS
+    busy_answer = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 5\r\n"
+                   b"Retry-After: 1\r\n\r\nbusy\n")
 
 
 class MetricsServer:
@@ -215,6 +225,7 @@ class MetricsServer:
 def _handler_class(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "aether-agent"
+        timeout = METRICS_REQUEST_TIMEOUT_S  # an idle connection does not keep its slot
 
         def _serve(self, body_too: bool) -> None:
             status, ctype, body = server.answer(self.path.split("?", 1)[0])

@@ -48,6 +48,10 @@ def render(st: dict[str, Any]) -> str:
             + (f" (last: {', '.join(last.get('what') or [])})" if last else ""))
     c = st.get("counters", {})
     lines.append("  requests: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    busy = st.get("refused_busy") or {}
+    if any(busy.values()):
+        lines.append("  refused as busy (connection cap): "
+                     + ", ".join(f"{k} {v}" for k, v in busy.items()))
     lines.append("")
     if pods:
         rows = [[p["pod"], p["mode"], p["rules"], p.get("listener", "-"),

@@ -98,12 +98,20 @@ def exchange(path: str, payload: bytes, timeout: float) -> tuple[int, str]:
                     raise
                 time.sleep(0.01)
                 continue
-            s.sendall(payload)
-            s.shutdown(socket.SHUT_WR)
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the agent answered before reading it all (busy, too large): read on
             chunks: list[bytes] = []
             size = 0
             while True:
-                chunk = s.recv(65536)
+                try:
+                    chunk = s.recv(65536)
+                except ConnectionResetError:
+                    if not chunks:
+                        raise
+                    break  # answered, then closed
                 if not chunk:
                     break
                 size += len(chunk)

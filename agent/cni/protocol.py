@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
 # What the shim and the agent must agree on is defined once, in the self-contained shim.
@@ -42,10 +43,18 @@ class ProtocolError(Exception):
     pass
 
 
-def recv_all(sock: socket.socket, limit: int = MAX_REQUEST_BYTES) -> bytes:
+def recv_all(sock: socket.socket, limit: int = MAX_REQUEST_BYTES,
+             deadline: float | None = None) -> bytes:
+    """Everything until the peer half-closes. ``deadline`` (time.monotonic()) bounds the
+    whole message, not each recv: a client trickling a byte at a time still runs out."""
     chunks: list[bytes] = []
     size = 0
     while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request not complete within its deadline")
+            sock.settimeout(left)
         chunk = sock.recv(65536)
         if not chunk:
             break

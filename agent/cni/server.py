@@ -1,7 +1,11 @@
 """The unix socket the `aether-cni` shim talks to (and the status socket uses the same shape).
 
 Root-only (mode 0600): whoever can write here can change a pod's capture. One thread per
-connection; a slow or malformed client cannot block other pods' ADDs.
+connection, at most ``MAX_CONNECTIONS`` at once: the next one is answered "busy, try again" on
+the accept thread and closed, so a flood can neither exhaust threads nor push the agent's fd
+numbers towards FD_SETSIZE (libnftables select()s on its netlink socket and aborts the process
+on an fd ≥ 1024). A request must arrive whole within ``REQUEST_DEADLINE_S`` (one deadline per
+request, not per recv), so slow clients cannot hold their slots either.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import os
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from agent.bounded import BoundedThreadingMixIn
 from agent.cni import protocol as p
 
 log = logging.getLogger("aether.server")
@@ -33,17 +39,26 @@ def json_handler(handler: Handler) -> RawHandler:
             answer: dict[str, Any] = {"ok": False, "code": p.ERR_DECODE,
                                       "msg": "request is not valid JSON", "details": str(e)}
         else:
-            answer = handler(request)
+            try:
+                answer = handler(request)
+            except Exception as e:  # a bug must still answer, never close the connection
+                log.exception("request handler failed")
+                answer = {"ok": False, "msg": "internal error", "details": repr(e)}
         return json.dumps(answer).encode()
 
     return raw
 
 
-class _Server(socketserver.ThreadingUnixStreamServer):
+MAX_CONNECTIONS = 64
+REQUEST_DEADLINE_S = 10.0
+
+
+class _Server(BoundedThreadingMixIn, socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
     request_queue_size = 256  # a burst of pod starts must not see EAGAIN
     handle_request_fn: RawHandler
     oversize_answer: bytes
+    deadline_s: float = REQUEST_DEADLINE_S
 
 
 class _Conn(socketserver.BaseRequestHandler):
@@ -51,9 +66,8 @@ class _Conn(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        sock.settimeout(10.0)
         try:
-            raw = p.recv_all(sock)
+            raw = p.recv_all(sock, deadline=time.monotonic() + self.server.deadline_s)
             if not raw:
                 return  # a liveness probe: connect and close
             answer = self.server.handle_request_fn(raw)
@@ -92,11 +106,17 @@ class UnixJsonServer:
     """Serve `handler(request bytes) -> answer bytes` on a root-only unix socket."""
 
     def __init__(self, path: str, handler: RawHandler, name: str = "cni",
-                 oversize_answer: bytes = b'{"ok": false, "msg": "request too large"}') -> None:
+                 oversize_answer: bytes = b'{"ok": false, "msg": "request too large"}',
+                 busy_answer: bytes = b'{"ok": false, "msg": "agent busy, try again"}',
+                 max_connections: int = MAX_CONNECTIONS,
+                 deadline_s: float = REQUEST_DEADLINE_S) -> None:
         self.path = path
         self.name = name
         self._handler = handler
         self._oversize = oversize_answer
+        self._busy = busy_answer
+        self._max = max_connections
+        self._deadline = deadline_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -112,11 +132,19 @@ class UnixJsonServer:
         os.chmod(self.path, 0o600)
         server.handle_request_fn = self._handler
         server.oversize_answer = self._oversize
+        server.busy_answer = self._busy
+        server.max_connections = self._max
+        server.deadline_s = self._deadline
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name=f"{self.name}-server",
                                         daemon=True)
         self._thread.start()
         log.info("serving %s socket at %s", self.name, self.path)
+
+    @property
+    def refused(self) -> int:
+        """Connections answered "busy" because the cap was reached."""
+        return self._server.refused if self._server is not None else 0
 
     def stop(self) -> None:
         if self._server is not None:

@@ -102,10 +102,15 @@ static int exchange(const char *path, const buf_t *req, double timeout, buf_t *a
     size_t off = 0;
     while (off < req->len) {
         ssize_t n = send(fd, req->p + off, req->len - off, MSG_NOSIGNAL);
-        if (n < 0) { if (errno == EINTR) continue; int e = errno; close(fd); errno = e; return -1; }
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            /* the agent answered before reading it all (busy, too large): read that answer */
+            if (errno == EPIPE || errno == ECONNRESET) break;
+            int e = errno; close(fd); errno = e; return -1;
+        }
         off += (size_t)n;
     }
-    shutdown(fd, SHUT_WR);
+    if (off == req->len) shutdown(fd, SHUT_WR);
     char chunk[65536];
     for (;;) {
         int left = (int)((deadline - now()) * 1000);
@@ -115,6 +120,7 @@ static int exchange(const char *path, const buf_t *req, double timeout, buf_t *a
         if (r < 0) { if (errno == EINTR) continue; int e = errno; close(fd); errno = e; return -1; }
         if (r == 0) { close(fd); errno = ETIMEDOUT; return -1; }
         ssize_t n = recv(fd, chunk, sizeof chunk, 0);
+        if (n < 0 && errno == ECONNRESET && ans->len > 0) break;  /* answered, then closed */
         if (n < 0) { if (errno == EINTR) continue; int e = errno; close(fd); errno = e; return -1; }
         if (n == 0) break;
         if (ans->len + (size_t)n > MAX_MSG) { close(fd); errno = EMSGSIZE; return -1; }

@@ -39,7 +39,16 @@ def check_netns_path(path: str) -> str:
     if "\x00" in path:
         raise NetnsError("netns path contains a NUL byte")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        mode = os.stat(path).st_mode
+    except FileNotFoundError as e:
+        raise NetnsGone(f"netns {path} does not exist") from e
+    except OSError as e:
+        raise NetnsError(f"netns {path} cannot be read: {e.strerror}") from e
+    if not stat.S_ISREG(mode):  # nsfs inodes are regular; a FIFO would block open() forever
+        raise NetnsError(f"{path} is not a namespace file")
+    try:
+        # O_NONBLOCK: the path may have been swapped for a FIFO since the stat
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError as e:
         raise NetnsGone(f"netns {path} does not exist") from e
     except OSError as e:
@@ -109,7 +118,7 @@ def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
     def worker() -> None:
         try:
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError as e:
                 raise NetnsGone(f"netns {path} does not exist") from e
             try:

@@ -8,6 +8,7 @@ one transaction.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import nftables
@@ -20,7 +21,23 @@ class NftError(Exception):
     pass
 
 
+# libnftables select()s on its netlink socket: an fd number >= FD_SETSIZE (1024) aborts the
+# whole process inside glibc. A new socket takes the lowest free fd, which is below the count
+# of open fds; the servers' connection caps keep that count far below this guard, and the
+# guard turns any surprise into a failed (retried) operation instead of a dead agent.
+FD_SETSIZE = 1024
+FD_HEADROOM = 64
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def _ctx() -> nftables.Nftables:
+    n = open_fds()
+    if n >= FD_SETSIZE - FD_HEADROOM:
+        raise NftError(f"{n} fds open in the agent: libnftables needs a free fd below "
+                       f"{FD_SETSIZE} (select()); refusing rather than aborting")
     nft = nftables.Nftables()
     nft.set_json_output(False)
     return nft

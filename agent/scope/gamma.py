@@ -29,7 +29,7 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OP
                           "PATCH"})
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 # GEP-2257 duration: 1-4 (number, unit) pairs.
-_DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}$")
+_DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}\Z")
 _DURATION_PART = re.compile(r"([0-9]{1,5})(h|ms|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 

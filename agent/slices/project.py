@@ -26,7 +26,7 @@ NODE_LABEL = "aether.io/node"
 API_VERSION = "discovery.k8s.io/v1"
 MAX_ENDPOINTS = 1000  # the API's per-slice limit
 _NAME_MAX = 63
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?\Z")
 
 SliceKey = tuple[str, str]  # (namespace, name)
 JSON = dict[str, Any]
