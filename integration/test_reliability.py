@@ -199,24 +199,24 @@ def test_hundred_concurrent_adds(enode: EnvoyNode) -> None:
 def test_thousand_add_del_cycles_leave_nothing(enode: EnvoyNode) -> None:
     agent = psutil.Process(enode.agent.proc.pid)  # type: ignore[union-attr]
     envoy_pid = enode.envoy_pid()
-    pods = [enode.pod(name=f"soak-{i}") for i in range(10)]
+    pods = [enode.pod(name=f"soak-{i}") for i in range(16)]  # 16 concurrent, 1008 cycles
     for p in pods:
         enode.kubelet.create_sandbox(p)
         enode.kubelet.add(p, create=False)
         enode.kubelet.delete_aether_only(p)
-    start = (agent.num_threads(), agent.memory_info().rss, len(agent.open_files()))
+    start = (agent.num_threads(), agent.memory_info().rss, agent.num_fds())
 
     def cycle(p: object) -> None:
-        for _ in range(100):
+        for _ in range(63):
             enode.kubelet.add_aether_only(p)  # type: ignore[arg-type]
             enode.kubelet.delete_aether_only(p)  # type: ignore[arg-type]
 
-    with concurrent.futures.ThreadPoolExecutor(10) as ex:
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
         list(ex.map(cycle, pods))
     time.sleep(1.0)
-    end = (agent.num_threads(), agent.memory_info().rss, len(agent.open_files()))
-    print(f"\nsoak 1000 ADD/DEL: threads {start[0]}→{end[0]}, agent RSS "
-          f"{start[1] >> 20}→{end[1] >> 20} MiB, open files {start[2]}→{end[2]}")
+    end = (agent.num_threads(), agent.memory_info().rss, agent.num_fds())
+    print(f"\nsoak 1008 ADD/DEL (16 concurrent): threads {start[0]}→{end[0]}, agent RSS "
+          f"{start[1] >> 20}→{end[1] >> 20} MiB, fds {start[2]}→{end[2]}")
     assert enode.agent.status()["pods"] == []
     assert [n for n in enode.listeners() if n.startswith("capture-")] == []
     for p in pods:
@@ -227,6 +227,7 @@ def test_thousand_add_del_cycles_leave_nothing(enode: EnvoyNode) -> None:
     inos = {os.stat(p.netns).st_ino for p in pods}
     assert not [fd for fd in os.listdir(f"/proc/{envoy_pid}/fd") if _fd_ns(envoy_pid, fd) in inos]
     assert end[0] <= start[0] + 4, "thread count grew"
+    assert end[2] <= start[2] + 8, "the agent's fd count grew"
     assert end[1] <= start[1] + (40 << 20), "agent RSS grew by more than 40 MiB"
 
 
