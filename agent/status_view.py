@@ -35,6 +35,9 @@ def render(st: dict[str, Any]) -> str:
         )
         if envoy.get("admin"):
             lines.append(f"    admin: {envoy['admin']}")
+        if envoy.get("pending_removals"):
+            lines.append(f"    listener removals not yet ACKed by Envoy: "
+                         f"{', '.join(envoy['pending_removals'])}")
         if envoy.get("last_nack"):
             lines.append(f"    last NACK: {envoy['last_nack']}")
     ci = st.get("cni_install") or {}

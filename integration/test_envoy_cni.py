@@ -179,11 +179,34 @@ def test_del_removes_listener_and_netns_references(enode: EnvoyNode) -> None:
     pid = enode.envoy_pid()
     assert _envoy_socket_inodes_in(pod.netns_name) >= 2
     enode.kubelet.delete_aether_only(pod)
-    assert f"capture-{pod.container_id}" not in enode.listeners()
     deadline = time.monotonic() + 10
-    while _envoy_netns_fds(pid, pod.netns) or _envoy_socket_inodes_in(pod.netns_name):
+    while f"capture-{pod.container_id}" in enode.listeners() \
+            or _envoy_netns_fds(pid, pod.netns) or _envoy_socket_inodes_in(pod.netns_name):
         assert time.monotonic() < deadline, "envoy still holds the pod netns"
         time.sleep(0.1)
+
+
+def test_del_with_envoy_frozen_returns_at_once_and_settles_later(enode: EnvoyNode) -> None:
+    """DEL never waits on the proxy: with Envoy stopped (SIGSTOP) it succeeds at once, status
+    lists the removal as pending, and Envoy's next ACK settles it."""
+    pod = enode.pod()
+    enode.add(pod)
+    pid = enode.envoy_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        enode.kubelet.delete_aether_only(pod)
+        assert time.monotonic() - started < 5
+        st = enode.agent.status()
+        assert st["pods"] == []
+        assert st["envoy"]["pending_removals"] == [f"capture-{pod.container_id}"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while enode.agent.status()["envoy"]["pending_removals"] \
+            or f"capture-{pod.container_id}" in enode.listeners():
+        assert time.monotonic() < deadline, "the removal never settled"
+        time.sleep(0.2)
 
 
 def test_fifty_pods_add_del_loop_leaves_nothing(enode: EnvoyNode) -> None:

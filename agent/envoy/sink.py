@@ -91,6 +91,7 @@ class EnvoySink:
         self._pods: dict[str, PodListener] = {}
         # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
         self._rejected: dict[str, str] = {}
+        self._removals: dict[str, str] = {}  # cid -> xDS version that dropped its listener
         self._netns_killed: int | None = None  # the Envoy pid last killed for its netns
         self._services: tuple[Any, ...] = ()
         self._gamma: Any = None
@@ -366,12 +367,32 @@ class EnvoySink:
                 for cid in container_ids}
 
     def remove_pod(self, pod: CapturedPod) -> None:
+        """Withdraw the pod's listener and return at once: DEL never waits on the proxy (a
+        hung or crash-looping Envoy must not leave pods stuck Terminating). The removal
+        settles with Envoy's next ACK; until then status lists it as pending. A listener
+        socket Envoy still holds only keeps the dead pod's netns alive, it captures nothing."""
         with self._lock:
             self._rejected.pop(pod.container_id, None)
             if self._pods.pop(pod.container_id, None) is None:
                 return
-            version = self._publish()
-        self._confirm(version, f"removal of listener {listener_name(pod)}")
+            self._removals[pod.container_id] = self._publish()
+
+    def _acked(self, version: str) -> bool:
+        try:
+            return self.xds.wait_acked(version, 0)
+        except ValueError:  # so old the server forgot it: superseded long ago
+            return True
+
+    def pending_removals(self) -> list[str]:
+        """Listeners withdrawn (DEL) whose removal Envoy has not ACKed yet."""
+        with self._lock:
+            pending = dict(self._removals)
+        done = [cid for cid, v in pending.items() if self._acked(v)]
+        with self._lock:
+            for cid in done:
+                if self._removals.get(cid) == pending[cid]:
+                    del self._removals[cid]
+            return sorted(f"capture-{cid}" for cid in self._removals)
 
     # -- status --------------------------------------------------------------------------
     @property
@@ -404,5 +425,6 @@ class EnvoySink:
             "last_nack": x.get("last_nack"),
             "hang_kills": self.hang_kills,
             "netns_restarts": self.netns_restarts,
+            "pending_removals": self.pending_removals(),
             "degraded": bool(sup.get("degraded")) or not ready,
         }
