@@ -372,3 +372,15 @@ def test_repairs_recorded_for_agent_status(dirs: tuple[Path, Path], tmp_path: Pa
     data = json.loads(state.read_text())
     assert data["repairs"] == 1 and data["conflist"] == "05-cilium.conflist"
     assert data["last_repair"]["what"][0].startswith("entry in ")
+
+
+def test_auto_runtime_prefers_the_native_shim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cni-install` run by hand gets the fast path wherever the shim can be built."""
+    import agent.cni.shim as shim
+    from agent.install.cli import resolve_runtime
+
+    monkeypatch.setattr(shim, "native_binary", lambda: "/tmp/aether-cni-native")
+    assert resolve_runtime("auto") == "native"
+    monkeypatch.setattr(shim, "native_binary", lambda: None)
+    assert resolve_runtime("auto") == "copy"
+    assert resolve_runtime("host") == "host"  # an explicit choice is kept

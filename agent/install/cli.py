@@ -57,9 +57,10 @@ def install(
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
     python_runtime: Annotated[str, typer.Option(
-        help="native: the compiled shim, no Python on the host at all; copy: ship our "
-             "interpreter into <bin>/aether/runtime; host: use this one.")
-    ] = "copy",
+        help="auto: native where the compiled shim can be built, else copy; native: the "
+             "compiled shim, no Python on the host at all; copy: ship our interpreter into "
+             "<bin>/aether/runtime; host: use this one.")
+    ] = "auto",
     daemonset_name: Annotated[str, typer.Option(
         help="Our DaemonSet: present on exit means upgrade (keep the entry). Empty: always "
              "uninstall on exit.")] = "aether-agent",
@@ -76,6 +77,7 @@ def install(
     from agent import logs
 
     logs.setup(log_level, log_format)
+    python_runtime = resolve_runtime(python_runtime)
     opts = InstallOptions(
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, conflist=conflist,
         netconf=cl.NetconfOptions(agent_socket=agent_socket,
@@ -102,6 +104,21 @@ def install(
         raise typer.Exit(1) from e
     log.info("stopping after %d repairs", installer.repairs)
     exit_action(installer, daemonset_name, daemonset_namespace, kubeconfig)
+
+
+def resolve_runtime(choice: str) -> str:
+    """``auto`` → the native shim (~1 ms to start) where it can be built, else the Python
+    shim with our copied interpreter; says which."""
+    if choice != "auto":
+        return choice
+    from agent.cni.shim import native_binary
+
+    if native_binary() is not None:
+        log.info("installing the native aether-cni shim (--python-runtime auto)")
+        return "native"
+    log.warning("no C compiler to build the native aether-cni shim: installing the Python shim "
+                "with a copied interpreter (--python-runtime auto → copy; ADD is slower)")
+    return "copy"
 
 
 def main() -> None:
