@@ -152,8 +152,8 @@ def test_version_and_bad_input(agent: tuple[str, list[Any]]) -> None:
     assert rc == 0 and "1.0.0" in out["supportedVersions"] and "0.3.1" in out["supportedVersions"]
     rc, out, _ = invoke("ADD", {"cniVersion": "9.9.9", "prevResult": {}, "agent_socket": sock})
     assert rc == 1 and out["code"] == 1
-    rc, out, _ = invoke("GC", {"cniVersion": "1.0.0", "agent_socket": sock})
-    assert rc == 1 and out["code"] == 4
+    rc, out, _ = invoke("FROB", {"cniVersion": "1.0.0", "agent_socket": sock})
+    assert rc == 1 and out["code"] == 4  # unknown command (STATUS and GC are CNI 1.1's)
     rc, out, _ = invoke("ADD", {"cniVersion": "1.0.0", "prevResult": {}, "agent_socket": sock},
                         CNI_NETNS="")
     assert rc == 1 and out["code"] == 4 and "CNI_NETNS" in out["msg"]
@@ -254,3 +254,16 @@ def test_both_shims_fail_closed(shim_binary: str, tmp_path: Any) -> None:
         assert rc == 1 and out["code"] == 11
     finally:
         s.close()
+
+
+def test_status_and_gc_reach_the_agent_as_cni_1_1_commands() -> None:
+    from agent.cni import request as request_mod
+    conf = {"cniVersion": "1.1.0", "cni.dev/valid-attachments": [
+        {"containerID": "c1", "ifname": "eth0"}]}
+    for command in ("STATUS", "GC"):
+        early, req = request_mod.parse({"env": {"CNI_COMMAND": command}, "stdin": conf})
+        assert early is None and req["command"] == command and req["netconf"] == conf
+        assert request_mod.render(req, {"ok": True}) == (0, "")
+    answer = request_mod.render({"command": "STATUS", "cni_version": "1.1.0"},
+                                {"ok": False, "code": 50, "msg": "not ready"})
+    assert answer[0] == 1 and '"code": 50' in answer[1]

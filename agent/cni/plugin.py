@@ -34,6 +34,7 @@ VERSION_JSON = ('{"cniVersion": "1.0.0", "supportedVersions": '
 ENV_KEYS = ("CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH")
 ERR_TRY_AGAIN = 11
 ERR_AGENT_UNREACHABLE = 100
+ERR_PLUGIN_NOT_AVAILABLE = 50
 
 
 def _js(s: str) -> str:
@@ -145,7 +146,7 @@ def run(env: Mapping[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> i
         rc, out = exchange(str(sock), request_bytes(env, stdin), timeout)
     except (OSError, ValueError) as e:
         absent = isinstance(e, (FileNotFoundError, ConnectionRefusedError))
-        if command == "DEL" and absent:
+        if command in ("DEL", "GC") and absent:
             # No agent at all: nothing it holds can be cleaned now; it reconciles dead pods
             # when it returns. (A slow or failing agent is different: kubelet retries.)
             stderr.write(f"aether-cni: no agent at {sock} on DEL ({e}); the agent cleans "
@@ -156,6 +157,9 @@ def run(env: Mapping[str, str], stdin: str, stdout: TextIO, stderr: TextIO) -> i
         if command == "DEL":
             msg = f"aether agent at {sock} did not finish DEL: try again"
             code = ERR_TRY_AGAIN
+        elif command == "STATUS":
+            msg = f"aether agent is not reachable at {sock}: the plugin is not available"
+            code = ERR_PLUGIN_NOT_AVAILABLE
         elif isinstance(e, TimeoutError):
             msg = (f"aether agent is not reachable at {sock} (no answer within {timeout:g}s): "
                    "the pod cannot be captured")

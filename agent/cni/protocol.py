@@ -19,6 +19,7 @@ from agent.cni.plugin import (  # noqa: F401 - re-exported for the agent side
     DEFAULT_SOCKET,
     DEFAULT_TIMEOUT_S,
     ERR_AGENT_UNREACHABLE,
+    ERR_PLUGIN_NOT_AVAILABLE,
     ERR_TRY_AGAIN,
 )
 from agent.cni.plugin import MAX_MESSAGE_BYTES as MAX_REQUEST_BYTES

@@ -187,7 +187,7 @@ int main(void) {
     }
     int e = errno;
     int absent = (e == ENOENT || e == ECONNREFUSED);
-    if (strcmp(command, "DEL") == 0 && absent) {
+    if ((strcmp(command, "DEL") == 0 || strcmp(command, "GC") == 0) && absent) {
         fprintf(stderr, "aether-cni: no agent at %s on DEL (%s); the agent cleans up on "
                 "restart\n", sock, strerror(e));
         return 0;
@@ -198,6 +198,10 @@ int main(void) {
     if (strcmp(command, "DEL") == 0) {
         snprintf(msg, sizeof msg, "aether agent at %s did not finish DEL: try again", sock);
         code = 11;
+    } else if (strcmp(command, "STATUS") == 0) {
+        snprintf(msg, sizeof msg, "aether agent is not reachable at %s: the plugin is not "
+                 "available", sock);
+        code = 50;
     } else if (e == ETIMEDOUT) {
         snprintf(msg, sizeof msg, "aether agent is not reachable at %s (no answer within %gs): "
                  "the pod cannot be captured", sock, timeout);
