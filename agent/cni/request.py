@@ -64,9 +64,7 @@ def parse(envelope: Any) -> tuple[Answer | None, dict[str, Any]]:
     if version not in p.SUPPORTED_VERSIONS:
         return _fail(p.ERR_INCOMPATIBLE_VERSION, f"unsupported cniVersion {version!r}",
                      f"supported: {', '.join(p.SUPPORTED_VERSIONS)}"), {}
-    if command in ("STATUS", "GC"):  # CNI 1.1: not about one container
-        return None, {"command": command, "cni_version": version, "netconf": netconf}
-    if command not in ("ADD", "DEL", "CHECK"):
+    if command not in ("ADD", "DEL", "CHECK", "STATUS", "GC"):  # STATUS, GC: CNI 1.1
         return _fail(p.ERR_INVALID_ENV, f"unknown CNI_COMMAND {command!r}", "", version), {}
     if command in ("ADD", "CHECK") and not isinstance(netconf.get("prevResult"), dict):
         return _fail(p.ERR_INVALID_NETCONF,
