@@ -24,7 +24,8 @@ from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
 from agent.netns import nft
 from agent.netns.enter import NetnsError, check_netns_path
-from agent.netns.pin import pin, unpin
+from agent.netns.pin import pin, pins_visible_to, share_pin_dir, unpin
+from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
 from agent.state import CapturedPod, StateStore
 
@@ -80,20 +81,31 @@ class Agent:
         self.handler = CniHandler(node, source, self.store, self.sink)
         too_large = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 103, '
                                         '"msg": "request larger than 1 MiB rejected"}'))
+        busy = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 11, '
+                                   '"msg": "aether agent busy (too many concurrent requests): '
+                                   'try again"}'))
         self.cni_server = UnixJsonServer(node.cni_socket, self.handler.handle_raw, "cni",
-                                         oversize_answer=too_large)
+                                         oversize_answer=too_large, busy_answer=busy)
         self.status_server = UnixJsonServer(
             os.path.join(node.run_dir, "status.sock"), json_handler(self._status_request), "status"
         )
         self.started_at = time.time()
         self.reconcile_report: list[str] = []
+        self.pin_peer_group = ""  # "shared:N" once <run-dir>/netns is a shared mount
         self.stopped = threading.Event()
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        self.store.load()
+        self._share_pin_dir()
+        self.store.load()  # also sweeps temp files of writes a crash interrupted
         if self.store.load_problem:
             self.reconcile_report.append(self.store.load_problem)
+        if self.store.swept:
+            self._note(f"removed {len(self.store.swept)} temp files of state writes a crash "
+                       "interrupted")
+        # ADDs a crash cut short before their record: undone (table, pin) before anything
+        # else looks at netns; the ones with a record are completed by reconcile() below
+        recover_interrupted_adds(self.store, self.pin_dir, self._note)
         live = [p for p in self.store.all() if os.path.exists(p.netns)]
         preload = getattr(self.sink, "preload", None)
         if callable(preload):
@@ -101,6 +113,7 @@ class Agent:
         start = getattr(self.sink, "start", None)
         if callable(start):
             start()
+        self._check_envoy_sees_pins()
         self.reconcile()
         if self.options.mesh:
             self._start_mesh()
@@ -112,6 +125,41 @@ class Agent:
             self._start_metrics()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
+
+    @property
+    def pin_dir(self) -> str:
+        return os.path.join(self.node.run_dir, "netns")
+
+    def _share_pin_dir(self) -> None:
+        """<run-dir>/netns as a shared bind mount of itself (as `ip netns` makes
+        /var/run/netns): pins made later by this or any later agent propagate to every mount
+        namespace in its peer group — an adopted Envoy's included."""
+        try:
+            self.pin_peer_group = share_pin_dir(self.pin_dir) or "?"
+            log.info("pin directory %s: shared bind mount (%s)", self.pin_dir, self.pin_peer_group)
+        except OSError as e:
+            self.pin_peer_group = ""
+            self._note(f"pin directory {self.pin_dir} could not be made a shared mount ({e}): "
+                       "pins of /proc/<pid>/ns/net paths stay in this agent's mount namespace")
+
+    def envoy_sees_pins(self) -> bool | None:
+        """Whether pins made now reach Envoy's mount namespace (None: no Envoy, unknown).
+        Asked of Envoy's keeper (its parent, in its mount namespace) by its pid file."""
+        pid_path = getattr(self.sink, "pid_path", None)
+        if not isinstance(pid_path, str):
+            return None
+        try:
+            with open(pid_path) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+        return pins_visible_to(pid, self.pin_dir)
+
+    def _check_envoy_sees_pins(self) -> None:
+        if self.envoy_sees_pins() is False:
+            self._note(f"Envoy (adopted) lives in another mount namespace that does not receive "
+                       f"mounts under {self.pin_dir}: ADDs with /proc/<pid>/ns/net netns paths "
+                       "fail until Envoy restarts")
 
     def _start_mesh(self) -> None:
         o = self.options
@@ -403,7 +451,11 @@ class Agent:
                             "mark on its own sockets and bypass capture"}
                 for p in pods if p["net_admin"]],
             "reconcile": list(self.reconcile_report),
+            "pin_dir": {"path": self.pin_dir, "propagation": self.pin_peer_group or "private",
+                        "envoy_sees_pins": self.envoy_sees_pins()},
             "source_problems": self._source_problems(),
+            "refused_busy": {"cni": self.cni_server.refused, "status": self.status_server.refused},
+            "events": self.handler.events.status(),
             "capture_integrity": {
                 "proxy_match": (f'mark + socket cgroupv2 level {self.node.proxy_cgroup_level} '
                                 f'"{self.node.proxy_cgroup}"' if self.node.proxy_cgroup
@@ -524,8 +576,18 @@ class Agent:
         return {"ok": True, "pod": out}
 
     def _status_request(self, request: Any) -> dict[str, Any]:
-        if isinstance(request, dict) and request.get("command") == "pod":
-            return self.pod_status(str(request.get("pod")), request.get("dest"))
-        if not isinstance(request, dict) or request.get("command") != "status":
-            return {"ok": False, "msg": "expected {\"command\": \"status\"}"}
-        return {"ok": True, "status": self.status()}
+        """`{"command": "status"}` or `{"command": "pod", "pod": "<ns>/<name>", "dest":
+        "IP:port" | null}`; anything else is answered with what was expected."""
+        if not isinstance(request, dict):
+            return {"ok": False, "msg": "expected a JSON object"}
+        command = request.get("command")
+        if command == "status":
+            return {"ok": True, "status": self.status()}
+        if command != "pod":
+            return {"ok": False, "msg": 'expected "command": "status" or "pod"'}
+        pod, dest = request.get("pod"), request.get("dest")
+        if not isinstance(pod, str) or pod.count("/") != 1:
+            return {"ok": False, "msg": 'expected "pod": "<namespace>/<name>"'}
+        if dest is not None and not isinstance(dest, str):
+            return {"ok": False, "msg": 'expected "dest": "IP:port" (a string) or null'}
+        return self.pod_status(pod, dest)

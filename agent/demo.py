@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from agent.envoy.supervisor import admin_request
+from agent.netns.pin import release_pin_dir
 
 NS = "demo"
 ECHO_IP, V1_IP, V2_IP = "10.96.213.10", "10.96.213.11", "10.96.213.12"
@@ -247,6 +248,7 @@ class Demo:
             subprocess.run(["ip", fam, "route", "del", "blackhole", net], check=False,
                            capture_output=True)
         if not self.keep:
+            release_pin_dir(os.path.join(self.run_dir, "netns"))  # the agent's shared mount
             shutil.rmtree(self.workdir, ignore_errors=True)
         else:
             print(f"kept {self.workdir}", file=sys.stderr)

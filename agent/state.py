@@ -58,6 +58,20 @@ class CapturedPod:
         return cls(**d)
 
 
+@dataclass
+class AddIntent:
+    """An ADD under way: the netns it works in (the pin when it pins) before any record."""
+
+    container_id: str
+    kubelet_netns: str
+    netns: str
+    pinned: bool
+
+
+TEMP_PREFIX = ".pod."
+INTENT_SUFFIX = ".adding"
+
+
 class StateStore:
     """Thread-safe map container_id → CapturedPod, one file per pod under `directory`.
 
@@ -71,6 +85,7 @@ class StateStore:
         self._lock = threading.Lock()
         self.pods: dict[str, CapturedPod] = {}
         self.load_problem: str | None = None
+        self.swept: list[str] = []  # temp files of interrupted writes removed by load()
 
     def _path(self, container_id: str) -> str:
         return os.path.join(self.directory, f"{container_id}.json")
@@ -82,6 +97,7 @@ class StateStore:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
             return
+        self.swept = self._sweep_temp(names)
         for name in names:
             if not name.endswith(".json") or name.startswith("."):
                 continue
@@ -103,17 +119,37 @@ class StateStore:
         with self._lock:
             self.pods = pods
 
+    def _sweep_temp(self, names: list[str]) -> list[str]:
+        """Remove the temp files of writes a crash (SIGKILL) interrupted: a temp file is
+        renamed into place or unlinked by its writer, so at load none is still in use."""
+        swept = []
+        for name in names:
+            if name.startswith(TEMP_PREFIX):
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                    swept.append(name)
+                except FileNotFoundError:
+                    pass
+        if swept:
+            log.info("removed %d temp files of interrupted state writes: %s", len(swept),
+                     ", ".join(swept[:10]))
+        return swept
+
     def _write(self, pod: CapturedPod) -> None:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         data = {"version": STATE_VERSION, "pod": pod.to_json()}
-        fd, tmp = tempfile.mkstemp(prefix=".pod.", dir=self.directory)
+        self._write_file(self._path(pod.container_id), data, sync=True)
+
+    def _write_file(self, path: str, data: dict[str, Any], sync: bool) -> None:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=self.directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.chmod(tmp, 0o600)
-            os.replace(tmp, self._path(pod.container_id))
+            os.replace(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -134,6 +170,44 @@ class StateStore:
         except FileNotFoundError:
             pass
         return pod
+
+    # -- ADD intents: what an ADD in progress may have done before its record exists ------
+    def _intent_path(self, container_id: str) -> str:
+        return os.path.join(self.directory, f"{container_id}{INTENT_SUFFIX}")
+
+    def begin_add(self, intent: AddIntent) -> None:
+        """Written before an ADD's first step (pin, rules): a restarted agent that finds it
+        without a record undoes what that ADD did (agent/recovery.py). Not fsynced: it must
+        survive a crash of the agent, not of the node (a reboot takes every netns and pin)."""
+        self._write_file(self._intent_path(intent.container_id), asdict(intent), sync=False)
+
+    def end_add(self, container_id: str) -> None:
+        """The ADD is recorded (its record supersedes the intent) or undone."""
+        try:
+            os.unlink(self._intent_path(container_id))
+        except FileNotFoundError:
+            pass
+
+    def intents(self) -> list[AddIntent]:
+        """Intents left by ADDs that never finished (only a crash leaves one behind)."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if not name.endswith(INTENT_SUFFIX) or name.startswith("."):
+                continue
+            cid = name[:-len(INTENT_SUFFIX)]
+            try:
+                with open(os.path.join(self.directory, name), encoding="utf-8") as f:
+                    raw = json.load(f)
+                out.append(AddIntent(container_id=cid, kubelet_netns=str(raw["kubelet_netns"]),
+                                     netns=str(raw["netns"]), pinned=bool(raw["pinned"])))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                log.error("ADD intent %s unreadable (%s): only its pin can be undone", name, e)
+                out.append(AddIntent(container_id=cid, kubelet_netns="", netns="", pinned=False))
+        return out
 
     def get(self, container_id: str) -> CapturedPod | None:
         with self._lock:

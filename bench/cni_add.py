@@ -29,6 +29,7 @@ from typing import Any
 from agent.capture.policy import decide
 from agent.capture.rules import policy_hash, render_ruleset
 from agent.config import NodeConfig
+from agent.netns.pin import release_mounts_under
 from agent.source.model import NamespaceMeta, PodMeta
 from bench.common import (
     AgentProc,
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_workdir or not ok:
             progress(f"workdir kept: {workdir}")
         else:
+            release_mounts_under(workdir)  # the agent's shared <run-dir>/netns mount
             shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

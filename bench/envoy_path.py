@@ -45,6 +45,7 @@ from typing import Any
 import psutil
 
 from agent.envoy.supervisor import admin_request
+from agent.netns.pin import release_mounts_under
 from agent.testing.netutil import Recorder, dial, host_server
 from bench.common import (
     AgentProc,
@@ -697,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_workdir or not ok:
             progress(f"workdir kept: {root}")
         else:
+            release_mounts_under(root)  # the agents' shared <run-dir>/netns mounts
             shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -22,6 +22,7 @@ import yaml
 
 from agent.cni import protocol
 from agent.envoy.supervisor import admin_request
+from agent.netns.pin import release_pin_dir
 from agent.testing.kubelet import Kubelet, Pod
 
 assert os.geteuid() == 0, "integration tests need root (real netns, nftables, Envoy)"
@@ -45,6 +46,9 @@ class AgentProc:
         self.envoy = envoy
         self.extra = extra or []
         self.proc: subprocess.Popen[bytes] | None = None
+        # a command the agent runs under, e.g. ["unshare", "--mount", "--propagation",
+        # "unchanged"] for an agent in a mount namespace of its own (a restarted container)
+        self.wrapper: list[str] = []
         self.log_path = os.path.join(workdir, "agent.log")
         self.write("namespaces.yaml", [
             {"apiVersion": "v1", "kind": "Namespace",
@@ -79,6 +83,7 @@ class AgentProc:
         self.metrics_port = free_port()
         cmd += ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
         cmd += self.extra
+        cmd = [*self.wrapper, *cmd]
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
@@ -161,6 +166,8 @@ def workdir() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="aether-it-")
     yield d
     if not os.environ.get("AETHER_KEEP_WORKDIR"):
+        # the agent makes <run-dir>/netns a shared bind mount of itself (and pins in it)
+        release_pin_dir(os.path.join(d, "run", "netns"))
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from agent.netns.enter import run_in_netns
+from agent.netns.pin import release_pin_dir
 from agent.testing.kubelet import Pod
 
 PRODUCER_NS = "gamma"
@@ -447,6 +448,7 @@ class GammaNode:
         self.node.cleanup()
         self.agent.stop()
         if not os.environ.get("AETHER_KEEP_WORKDIR"):
+            release_pin_dir(os.path.join(self.workdir, "run", "netns"))  # the agent's mount
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     @property

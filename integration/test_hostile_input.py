@@ -60,7 +60,7 @@ def test_eleven_hundred_idle_connections_then_an_add_succeeds(node: Node) -> Non
         assert agent.is_running() and node.agent.proc.poll() is None
         st = node.agent.status()
         assert [p["rules"] for p in st["pods"]] == ["ok"]
-        assert st["refused_busy"]["cni"] > 100  # said, not silent
+        assert st["refused_busy"]["cni"] > 0  # over the cap: refused and counted, not silent
     finally:
         for s in flood:
             s.close()

@@ -119,10 +119,29 @@ def test_invalid_annotation_becomes_a_pod_event(api: FakeApiServer,
     pod = new_pod(api, k, {"capture.aether.io/exclude-outbound-ports": "80,http"})
     k.add(pod)
     assert "tcp dport 80 return" in (nft.list_table_text(pod.netns) or "")
+    wait_for(lambda: api.events_for("app", pod.name))  # sent off the ADD path
     events = api.events_for("app", pod.name)
     assert [e["reason"] for e in events] == ["CaptureAnnotationInvalid"]
     assert "'http'" in events[0]["message"]
     assert events[0]["involvedObject"]["uid"] == pod.uid
+
+
+def test_add_never_waits_on_the_api_server_for_its_event(
+        api: FakeApiServer, kagent: tuple[KubeAgent, Kubelet]) -> None:
+    """An ADD with a malformed annotation while the API server answers in 3 s: the Event
+    goes out from the agent's queue later; the ADD does not wait for it."""
+    agent, k = kagent
+    pod = new_pod(api, k, {"capture.aether.io/exclude-outbound-ports": "80,http"})
+    wait_for(lambda: pods_cached(agent) >= 1)
+    api.delay(3.0)
+    try:
+        t0 = time.monotonic()
+        k.add(pod)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        api.clear_faults()
+    wait_for(lambda: api.events_for("app", pod.name), 15)
+    assert [e["reason"] for e in api.events_for("app", pod.name)] == ["CaptureAnnotationInvalid"]
 
 
 def test_add_keeps_working_through_api_trouble(api: FakeApiServer,

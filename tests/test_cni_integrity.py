@@ -270,7 +270,7 @@ def test_unparsable_namespaces_file_never_means_unmanaged(
 def test_not_a_pod_and_system_namespaces_are_decided_without_the_source(
         tmp_path: Path, kernel: FakeKernel, world: dict[str, str]) -> None:
     class Down:
-        def get_pod(self, namespace: str, name: str) -> PodMeta | None:
+        def get_pod(self, namespace: str, name: str, uid: str = "") -> PodMeta | None:
             raise SourceError("down")
 
         def get_namespace(self, name: str) -> NamespaceMeta | None:

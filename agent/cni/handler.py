@@ -34,15 +34,16 @@ from agent.netns.enter import (
     host_netns_identities,
     netns_identity,
 )
-from agent.netns.pin import needs_pin, pin, unpin
+from agent.netns.pin import needs_pin, netns_state, pin, unpin
 from agent.source.base import MetadataSource, PodEvent, SourceError
+from agent.source.event_queue import EventQueue
 from agent.source.model import NamespaceMeta, PodMeta
-from agent.state import CapturedPod, StateStore
+from agent.state import AddIntent, CapturedPod, StateStore
 
 log = logging.getLogger("aether.cni")
 
 REASON_INVALID_ANNOTATION = "CaptureAnnotationInvalid"
-_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}$")
+_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}\Z")  # \Z: no trailing newline
 
 
 class ListenerSink(Protocol):
@@ -104,6 +105,8 @@ class CniHandler:
         self.store = store
         self.sink: ListenerSink = sink or NullSink()
         self.counters = Counters()
+        # Events go out from a bounded queue: an ADD never waits on the API server for them
+        self.events = EventQueue(source.record_event)
         self.recent_problems: deque[dict[str, Any]] = deque(maxlen=200)
         # registration hooks for the mesh model (the CNI is a registration source)
         self.on_captured: Callable[[CapturedPod, dict[str, str], dict[str, str]], None] | None = None
@@ -151,6 +154,12 @@ class CniHandler:
         command = request.get("command") if isinstance(request, dict) else None
         outcome = "failed"
         try:
+            if command in ("STATUS", "GC") and isinstance(request, dict):
+                if command == "STATUS":
+                    self._status()
+                else:
+                    self._gc(request.get("netconf") or {})
+                return {"ok": True}
             req = self._validate(request)
             with self._pod_lock(req["container_id"]):
                 if req["command"] == "ADD":
@@ -211,6 +220,35 @@ class CniHandler:
             "ips": [str(i) for i in ips],
         }
 
+    # -- STATUS and GC (CNI 1.1) ----------------------------------------------------------
+    def _status(self) -> None:
+        """Ready for ADDs: the agent answers (it does, here) and its proxy is ready."""
+        ready = getattr(self.sink, "ready", None)
+        if callable(ready) and not ready():
+            raise CniFailure(p.ERR_PLUGIN_NOT_AVAILABLE,
+                             "aether's node proxy (Envoy) is not ready: pods cannot be captured "
+                             "yet", "see `aether-agent status`")
+
+    def _gc(self, netconf: dict[str, Any]) -> None:
+        """Release every capture whose attachment is not in `cni.dev/valid-attachments`
+        (rules where the netns still exists, listener, pin, record), as its DEL would."""
+        valid = netconf.get("cni.dev/valid-attachments")
+        if not isinstance(valid, list):
+            raise CniFailure(p.ERR_INVALID_NETCONF, "GC needs cni.dev/valid-attachments (a list)")
+        keep = {(str(a.get("containerID", "")), str(a.get("ifname", "")))
+                for a in valid if isinstance(a, dict)}
+        keep_ids = {cid for cid, _ in keep}
+        for record in self.store.all():
+            if (record.container_id, record.ifname) in keep or (
+                    not record.ifname and record.container_id in keep_ids):
+                continue
+            log.info("GC: %s (container %s) is not a valid attachment: releasing its capture",
+                     record.key, record.container_id)
+            with self._pod_lock(record.container_id):
+                self._del({"command": "DEL", "container_id": record.container_id,
+                           "netns": record.kubelet_netns, "ifname": record.ifname,
+                           "args": {}, "netconf": netconf, "ips": []})
+
     # -- ADD -----------------------------------------------------------------------------
     def _redirect_all_default(self, netconf: dict[str, Any]) -> bool:
         value = netconf.get("capture_redirect_all_default", False)
@@ -234,7 +272,7 @@ class CniHandler:
             return PodMeta(namespace=ns_name, name=pod_name, uid=uid), None
         where = self.source.describe()
         try:
-            pod = self.source.get_pod(ns_name, pod_name)
+            pod = self.source.get_pod(ns_name, pod_name, uid)
             namespace = self.source.get_namespace(ns_name)
         except SourceError as e:
             raise CniFailure(
@@ -256,6 +294,12 @@ class CniHandler:
                 f"namespace {ns_name} of pod {ns_name}/{pod_name} is not known to {where} "
                 "(yet): the agent cannot tell whether the pod is to be captured; try again",
                 _source_problems(self.source),
+            )
+        if uid and pod.uid and pod.uid != uid:
+            raise CniFailure(
+                p.ERR_TRY_AGAIN,
+                f"{where} knows pod {ns_name}/{pod_name} as uid {pod.uid}, kubelet starts uid "
+                f"{uid}: not capturing with another pod's metadata; try again",
             )
         if not pod.uid:
             pod = replace(pod, uid=uid)
@@ -328,17 +372,29 @@ class CniHandler:
         cid, kubelet_netns = req["container_id"], req["netns"]
         netns = kubelet_netns
         pinned = False
-        if needs_pin(kubelet_netns):
+        will_pin = needs_pin(kubelet_netns)
+        if will_pin:
             netns = os.path.join(self.node.run_dir, "netns", cid)
+        # Before any step: a restarted agent finding this without a record undoes the steps
+        # (agent/recovery.py); the record supersedes it.
+        try:
+            self.store.begin_add(AddIntent(cid, kubelet_netns, netns, will_pin))
+        except OSError as e:
+            raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot record the ADD of {pod.key}",
+                             str(e)) from e
+        if will_pin:
             try:
                 pin(kubelet_netns, netns)
             except OSError as e:
+                self.store.end_add(cid)
                 raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot pin netns of {pod.key}", str(e)) from e
             pinned = True
+        _fault("crash-after-pin")
         try:
             fp = nft.apply_ruleset(netns, render_ruleset(decision.policy))
         except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
             self._release_pin(netns, pinned)
+            self.store.end_add(cid)
             raise CniFailure(
                 p.ERR_CAPTURE_FAILED,
                 f"programming capture rules in {netns} for {pod.key} failed; pod not started",
@@ -369,8 +425,10 @@ class CniHandler:
         except OSError as e:
             self._drop_table(netns)
             self._release_pin(netns, pinned)
+            self.store.end_add(cid)
             raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot record the capture of {pod.key}",
                              str(e)) from e
+        self.store.end_add(cid)
         _fault("crash-before-listener")
         try:
             self.sink.add_pod(record)
@@ -381,6 +439,7 @@ class CniHandler:
                 "pod not started (its traffic would be refused)",
                 str(e),
             ) from e
+        _fault("crash-after-listener")
         self.counters.add_ok += 1
         if self.on_captured is not None:
             try:
@@ -406,8 +465,8 @@ class CniHandler:
                     extra={"pod": pod.name, "namespace": pod.namespace})
         self.recent_problems.append({"pod": pod.key, "reason": REASON_INVALID_ANNOTATION,
                                      "message": message, "time": time.time()})
-        self.source.record_event(PodEvent(pod.namespace, pod.name, pod.uid,
-                                          REASON_INVALID_ANNOTATION, message))
+        self.events.put(PodEvent(pod.namespace, pod.name, pod.uid,
+                                 REASON_INVALID_ANNOTATION, message))
 
     # -- DEL -----------------------------------------------------------------------------
     def _del(self, req: dict[str, Any]) -> None:
@@ -418,11 +477,13 @@ class CniHandler:
             cid = req["container_id"]
             if req["netns"] and self._unowned(req["netns"], cid):
                 self._drop_table(req["netns"])
+            # A leftover pin that is no longer a namespace (its mount is gone) is just removed.
             orphan = os.path.join(self.node.run_dir, "netns", cid)
-            if os.path.exists(orphan):
+            if os.path.lexists(orphan):
                 if self._unowned(orphan, cid):
                     self._drop_table(orphan)
                 self._release_pin(orphan, True)
+            self.store.end_add(cid)
             self.counters.del_ok += 1
             return
         try:
@@ -431,6 +492,9 @@ class CniHandler:
             raise CniFailure(p.ERR_TRY_AGAIN, f"removing the listener of {record.key} failed",
                              str(e)) from e
         self._drop_table(record.netns)
+        if record.pinned and record.kubelet_netns and _stale(record.netns) \
+                and self._unowned(record.kubelet_netns, record.container_id):
+            self._drop_table(record.kubelet_netns)  # the pin's mount is gone, the netns may not be
         if record.pinned:
             try:
                 unpin(record.netns)
@@ -474,6 +538,10 @@ class CniHandler:
             pass  # the namespace is gone and its rules with it
         except (NetnsError, nft.NftError, OSError) as e:
             if not os.path.exists(netns):
+                return
+            if _stale(netns):  # not a namespace (a pin whose mount is gone): no table there
+                log.info("%s is not a network namespace (%s): no capture table to remove",
+                         netns, e)
                 return
             raise CniFailure(p.ERR_TRY_AGAIN, f"removing capture rules from {netns}", str(e)) from e
 
@@ -534,6 +602,14 @@ def _source_problems(source: Any) -> str:
                 seen.append(str(problem))
         source = getattr(source, "inner", None)
     return "; ".join(seen[:5])
+
+
+def _stale(path: str) -> bool:
+    """`path` exists but is no network namespace (e.g. a pin file whose mount is gone)."""
+    try:
+        return netns_state(path) == "stale"
+    except OSError:
+        return False
 
 
 def _fault(point: str) -> None:

@@ -43,7 +43,7 @@ def check_netns_path(path: str) -> str:
     except FileNotFoundError as e:
         raise NetnsGone(f"netns {path} does not exist") from e
     except OSError as e:
-        raise NetnsError(f"netns {path} cannot be read: {e.strerror}") from e
+        raise NetnsError(f"netns {path} cannot be opened: {e.strerror}") from e
     if not stat.S_ISREG(mode):  # nsfs inodes are regular; a FIFO would block open() forever
         raise NetnsError(f"{path} is not a namespace file")
     try:

@@ -41,11 +41,12 @@ class SourceError(Exception):
 
 
 class MetadataSource(Protocol):
-    def get_pod(self, namespace: str, name: str) -> PodMeta | None:
+    def get_pod(self, namespace: str, name: str, uid: str = "") -> PodMeta | None:
         """The pod, None if it does not exist; SourceError if the source cannot answer.
 
         The CNI handler treats None (and a None namespace) as "not known yet" — try-again,
-        never "not managed"."""
+        never "not managed". ``uid`` (kubelet's K8S_POD_UID): a cache holding another pod of
+        that name (a StatefulSet pod recreated) must look again rather than answer with it."""
         ...
 
     def get_namespace(self, name: str) -> NamespaceMeta | None:

@@ -35,6 +35,8 @@ def object_key(kind: str, obj: Mapping[str, Any]) -> ObjKey:
 
 def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Equal resourceVersions mean unchanged (cheap); otherwise compare the content."""
+    if a is b:  # an unchanged manifest file hands out the very same objects
+        return True
     rva = (a.get("metadata") or {}).get("resourceVersion")
     rvb = (b.get("metadata") or {}).get("resourceVersion")
     if rva and rvb and rva == rvb:

@@ -102,7 +102,7 @@ class KubeSource:
 
     # ---- MetadataSource ----------------------------------------------------------------------
 
-    def get_pod(self, namespace: str, name: str) -> PodMeta | None:
+    def get_pod(self, namespace: str, name: str, uid: str = "") -> PodMeta | None:
         obj = self._get_object(
             f"pod {namespace}/{name}",
             lambda t: self._core.read_namespaced_pod(

@@ -1,16 +1,29 @@
 """A directory of Kubernetes YAML as the metadata source, for standalone/systemd use and the demo.
 
-Files are re-read when anything in the directory changes (checked by mtime on each lookup),
-so editing a manifest takes effect on the next pod ADD without restarting the agent. Events
-cannot go to an API server here: they are logged and kept for `aether-agent status`.
+Files are re-read when anything in the directory changes, so editing a manifest takes effect
+on the next pod ADD without restarting the agent. Events cannot go to an API server here:
+they are logged and kept for `aether-agent status`.
 
 A file that cannot be read is not an empty file (`ManifestDir`). Each file is parsed on its
 own, all or nothing, and a file that fails — a YAML error, bytes that are not UTF-8, a
-document that is not a mapping, a `kind: List` whose items are not a list of mappings —
-keeps the objects of its *last good version* (none if it never parsed), named in the logs
-and in the source's `problems` (shown by `aether-agent status`); the other files are not
-affected. A document without kind/metadata.name is skipped and reported, the rest of its
-file is used.
+document that is not a mapping, a `kind: List` whose items are not a list of mappings, a
+file over ``MAX_FILE_BYTES``, a document past the alias or nesting bounds of
+``agent.source.yamlsafe``, something that is not a regular file — keeps the objects of its
+*last good version* (none if it never parsed), named in the logs and in the source's
+`problems` (shown by `aether-agent status`); the other files are not affected. A document
+without kind/metadata.name is skipped and reported, the rest of its file is used.
+
+Parsing never happens on the CNI ADD path (`ManifestLoader`). One loader per directory is
+shared by the source and the mesh watcher, so each file is parsed once per change, and only
+the files that changed. A scan (stat every file, parse the small ones that changed) runs on
+the watcher's thread or on the loader's own scan thread; a file over
+``BACKGROUND_PARSE_BYTES`` is parsed in the background — in a child process
+(``agent.source.parse_worker``: no GIL shared with the CNI threads, memory and time limits,
+a crash refuses the file) driven by a thread of the loader — while the scan publishes
+everything else, its previous version (if any) still served. A lookup asks for a
+scan and waits at most ``LOOKUP_WAIT_S`` for it; past that it answers from the last
+published snapshot — a pod it does not hold yet is "not known", which the CNI handler turns
+into try-again (code 11). No lock a lookup takes is held while a file is parsed.
 
 In-place rewrites (`open(…, "w")` truncates, then writes) pass through states that parse:
  - an empty file (whitespace only) that had objects keeps its last good version until it
@@ -28,17 +41,20 @@ from __future__ import annotations
 
 import logging
 import os
+import stat as statmod
 import threading
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
 
 from agent.source.base import PodEvent, SourceError, WatchEvent
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
+from agent.source.yamlsafe import ManifestLimitError, load_all
 
 log = logging.getLogger("aether.source.manifests")
 
@@ -48,10 +64,21 @@ FileStamp = tuple[int, int, int]  # mtime_ns, size, inode
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 #: How long an in-place rewrite may look empty or half-written before it is taken as is.
 IN_PLACE_GRACE_S = 2.0
+#: A manifest file larger than this is refused unread (its last good version is kept).
+MAX_FILE_BYTES = 16 * 1024 * 1024
+#: Files larger than this are parsed on a background thread, never holding up a scan.
+BACKGROUND_PARSE_BYTES = 256 * 1024
+#: How long a lookup waits for a scan of the directory before it answers from the snapshot.
+LOOKUP_WAIT_S = 0.5
+#: A loader's scan or parse thread with nothing to do exits after this long.
+_IDLE_S = 5.0
 
 
 class ManifestError(ValueError):
     """A file's content is not a usable manifest (the whole file is refused)."""
+
+
+Parser = Callable[[str, bytes], tuple[dict[ObjKey, dict[str, Any]], list[str]]]
 
 
 @dataclass
@@ -64,6 +91,16 @@ class _FileState:
     settled: bool = True  # False: look again even if the file does not change
 
 
+@dataclass(frozen=True)
+class ParseJob:
+    """A big file handed to the background parser, as it was when the scan saw it."""
+
+    path: str
+    st: os.stat_result
+    stamp: FileStamp
+    prev: _FileState | None
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
@@ -71,13 +108,19 @@ def _one_line(e: BaseException) -> str:
 def parse_manifest(path: str, data: bytes) -> tuple[dict[ObjKey, dict[str, Any]], list[str]]:
     """One file's objects and its skipped-document warnings; ManifestError if unusable."""
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestError(f"not UTF-8 ({_one_line(e)})") from e
     try:
-        docs = list(yaml.safe_load_all(text))
+        docs = load_all(data)
+    except ManifestLimitError as e:
+        raise ManifestError(f"refused: {_one_line(e)}") from e
     except yaml.YAMLError as e:
         raise ManifestError(f"YAML error: {_one_line(e)}") from e
+    except (RecursionError, MemoryError) as e:
+        raise ManifestError(f"refused: {type(e).__name__} while loading") from e
+    except Exception as e:  # e.g. a timestamp with month 13, an int of 5,000 digits
+        raise ManifestError(f"value error: {type(e).__name__}: {_one_line(e)}") from e
     objects: dict[ObjKey, dict[str, Any]] = {}
     warnings: list[str] = []
     for i, doc in enumerate(docs, 1):
@@ -92,6 +135,26 @@ def parse_manifest(path: str, data: bytes) -> tuple[dict[ObjKey, dict[str, Any]]
     return objects, warnings
 
 
+def _read_file(path: str, max_bytes: int) -> bytes:
+    """A regular file's bytes, at most ``max_bytes``; never blocks on a FIFO or a device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not statmod.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError("not a regular file")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise ManifestError(f"larger than the {max_bytes}-byte limit for one file")
+    finally:
+        os.close(fd)
+
+
 class ManifestDir:
     """The objects of a manifest directory, parsed per file with last-good retention.
 
@@ -99,15 +162,30 @@ class ManifestDir:
     docstring for what a failing or half-rewritten file does. ``pending`` is True while a
     file waits out the in-place grace period: callers must read again even if the directory
     stamp has not changed.
+
+    With ``background_over`` set, ``read()`` does not parse a changed file larger than that:
+    it keeps the file's previous state, notes it in ``loading`` and queues a ``ParseJob``
+    (``take_jobs()``) for another thread, which runs ``load(job)`` and hands the result
+    back with ``finish(job, state)``; the next ``read()`` installs it if the file has not
+    changed since. Only ``finish`` may be called from another thread than ``read``'s.
     """
 
     def __init__(self, directory: str, grace: float = IN_PLACE_GRACE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *,
+                 background_over: int | None = None, max_bytes: int = MAX_FILE_BYTES) -> None:
         self.directory = directory
         self.grace = grace
         self.clock = clock
+        self.background_over = background_over
+        self.max_bytes = max_bytes
         self.pending = False
+        self.loading: list[str] = []
+        self.changed: set[ObjKey] = set()  # keys whose file's objects changed in the last read
         self._files: dict[str, _FileState] = {}
+        self._queued: dict[str, FileStamp] = {}
+        self._jobs: list[ParseJob] = []
+        self._done: dict[str, tuple[FileStamp, _FileState | None]] = {}
+        self._done_lock = threading.Lock()
 
     def _paths(self) -> list[str]:
         paths = []
@@ -115,12 +193,42 @@ class ManifestDir:
             paths += [os.path.join(root, f) for f in files if f.endswith(MANIFEST_SUFFIXES)]
         return sorted(paths)
 
-    def read(self) -> tuple[dict[ObjKey, dict[str, Any]], list[str]]:
-        """(every object, problems): later files win on a duplicate key."""
+    @property
+    def results_ready(self) -> bool:
+        """A background parse finished: ``read()`` again to install it."""
+        with self._done_lock:
+            return bool(self._done)
+
+    def take_jobs(self) -> list[ParseJob]:
+        jobs, self._jobs = self._jobs, []
+        return jobs
+
+    def load(self, job: ParseJob, parse: Parser | None = None) -> _FileState | None:
+        """Parse a queued file (any thread: touches no shared state), with ``parse`` in place
+        of ``parse_manifest`` if given."""
+        return self._load(job.path, job.st, job.stamp, job.prev, parse)
+
+    def refuse(self, job: ParseJob, why: str) -> _FileState:
+        """The state of a queued file that could not be parsed: its last good version kept."""
+        return self._keep(job.prev, job.stamp, job.path, why)
+
+    def finish(self, job: ParseJob, state: _FileState | None) -> None:
+        with self._done_lock:
+            self._done[job.path] = (job.stamp, state)
+
+    def read(self, stats: Mapping[str, os.stat_result] | None = None
+             ) -> tuple[dict[ObjKey, dict[str, Any]], list[str]]:
+        """(every object, problems): later files win on a duplicate key. ``stats``: the
+        manifest files and their stat results, as ``dir_stamp`` just found them (saves a
+        second stat of every file)."""
+        with self._done_lock:
+            done, self._done = self._done, {}
         files: dict[str, _FileState] = {}
-        for path in self._paths():
+        loading: list[str] = []
+        seen: set[str] = set()
+        for path in sorted(stats) if stats is not None else self._paths():
             try:
-                st = os.stat(path)
+                st = stats[path] if stats is not None else os.stat(path)
             except FileNotFoundError:
                 continue  # deleted: its objects go
             except OSError as e:
@@ -128,15 +236,50 @@ class ManifestDir:
                 if prev is not None:
                     files[path] = self._keep(prev, prev.stamp, path, f"cannot stat: {e.strerror}")
                 continue
+            seen.add(path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             prev = self._files.get(path)
             if prev is not None and prev.stamp == stamp and prev.settled:
                 files[path] = prev
                 continue
+            if not statmod.S_ISREG(st.st_mode):
+                files[path] = self._keep(prev, stamp, path, "not a regular file")
+                continue
+            if st.st_size > self.max_bytes:
+                files[path] = self._keep(prev, stamp, path, f"{st.st_size} bytes, over the "
+                                         f"{self.max_bytes}-byte limit for one file")
+                continue
+            if self.background_over is not None and st.st_size > self.background_over:
+                finished = done.get(path)
+                if finished is not None and finished[0] == stamp:
+                    self._queued.pop(path, None)
+                    if finished[1] is not None:
+                        files[path] = finished[1]
+                    continue
+                if self._queued.get(path) != stamp:
+                    self._queued[path] = stamp
+                    self._jobs.append(ParseJob(path, st, stamp, prev))
+                if prev is not None:
+                    files[path] = prev  # served until the new version is parsed
+                meanwhile = (f"its last good version ({len(prev.objects)} objects) is served "
+                             "meanwhile" if prev is not None and prev.good
+                             else "its objects are not known until then")
+                loading.append(f"{path}: {st.st_size} bytes, being parsed in the background; "
+                               f"{meanwhile}")
+                continue
             state = self._load(path, st, stamp, prev)
             if state is not None:
                 files[path] = state
+        changed: set[ObjKey] = set()
+        for path in self._files.keys() | files.keys():
+            before, after = self._files.get(path), files.get(path)
+            if before is None or after is None or before.objects is not after.objects:
+                changed.update(before.objects if before is not None else ())
+                changed.update(after.objects if after is not None else ())
+        self.changed = changed
         self._files = files
+        self._queued = {p: s for p, s in self._queued.items() if p in seen}
+        self.loading = loading
         self.pending = any(not f.settled for f in files.values())
         objects: dict[ObjKey, dict[str, Any]] = {}
         problems: list[str] = []
@@ -158,12 +301,13 @@ class ManifestDir:
         return _FileState(stamp, objects, good, f"{path}: {why}: {kept}", warnings, settled)
 
     def _load(self, path: str, st: os.stat_result, stamp: FileStamp,
-              prev: _FileState | None) -> _FileState | None:
+              prev: _FileState | None, parse: Parser | None = None) -> _FileState | None:
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = _read_file(path, self.max_bytes)
         except FileNotFoundError:
             return None
+        except ManifestError as e:
+            return self._keep(prev, stamp, path, str(e))
         except OSError as e:
             return self._keep(prev, stamp, path, f"cannot read: {e.strerror}")
         young = self.clock() - st.st_mtime < self.grace
@@ -175,7 +319,7 @@ class ManifestDir:
             return self._keep(prev, stamp, path, "no final newline, probably being written",
                               settled=False)
         try:
-            objects, warnings = parse_manifest(path, data)
+            objects, warnings = (parse or parse_manifest)(path, data)
         except ManifestError as e:
             return self._keep(prev, stamp, path, str(e))
         return _FileState(stamp, objects, True, "", warnings)
@@ -187,8 +331,10 @@ def load_objects(directory: str) -> tuple[dict[ObjKey, dict[str, Any]], list[str
     return ManifestDir(directory, grace=0.0).read()
 
 
-def dir_stamp(directory: str) -> tuple[tuple[str, float, int], ...]:
-    """(path, mtime, size) of the directory tree: changes when any manifest does."""
+def dir_stamp(directory: str, stats: dict[str, os.stat_result] | None = None
+              ) -> tuple[tuple[str, float, int], ...]:
+    """(path, mtime, size) of the directory tree: changes when any manifest does. The stat
+    results of the manifest files go into ``stats`` if given."""
     stamp: list[tuple[str, float, int]] = []
     for root, _dirs, files in os.walk(directory):
         stamp.append((root, os.stat(root).st_mtime, 0))
@@ -199,6 +345,8 @@ def dir_stamp(directory: str) -> tuple[tuple[str, float, int], ...]:
             except FileNotFoundError:
                 continue
             stamp.append((p, st.st_mtime, st.st_size))
+            if stats is not None and f.endswith(MANIFEST_SUFFIXES):
+                stats[p] = st
     return tuple(sorted(stamp))
 
 
@@ -221,46 +369,292 @@ def _flatten(doc: Any, index: int = 0) -> list[dict[str, Any]]:
     return [doc]
 
 
-class ManifestSource:
-    """MetadataSource over a manifest directory."""
+@dataclass(frozen=True)
+class Snapshot:
+    """One published view of the directory; never mutated once published."""
+
+    objects: Mapping[ObjKey, dict[str, Any]]
+    problems: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()  # big files being parsed in the background
+    generation: int = 0  # bumped on every re-read
+    complete: bool = False  # read at least once, and no file waits for the background parser
+
+
+class ManifestLoader:
+    """A manifest directory parsed off the lookup path, published as immutable ``Snapshot``s.
+
+    ``scan()`` brings the snapshot up to date (call it from a thread that may take time: the
+    watcher's, or the loader's own scan thread, which ``request()`` starts on demand);
+    changed files over ``background_over`` bytes go to a parse thread of their own. A lookup
+    calls ``request()`` and ``wait_scanned(asked, timeout)``, then reads ``snapshot``: one
+    attribute read, never a lock held by a parse. Both threads exit when idle.
+    """
 
     def __init__(self, directory: str, grace: float = IN_PLACE_GRACE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *,
+                 background_over: int | None = BACKGROUND_PARSE_BYTES,
+                 max_bytes: int = MAX_FILE_BYTES, isolate: bool = True) -> None:
+        self.directory = directory
+        self.isolate = isolate  # big files parse in a child process (parse_worker)
+        self._dir = ManifestDir(directory, grace, clock, background_over=background_over,
+                                max_bytes=max_bytes)
+        self._snapshot = Snapshot({})
+        self._stamp: tuple[tuple[str, float, int], ...] | None = None
+        self._scan_lock = threading.Lock()  # one scan at a time; never taken by a lookup
+        self._cond = threading.Condition()  # guards everything below
+        self._scanned_from = -1.0  # start (monotonic) of the newest completed scan
+        self.scans = 0  # completed scans
+        self.scan_error = ""  # why the newest scan failed ("" when it did not)
+        self._want_scan = False
+        self._scanner: threading.Thread | None = None
+        self._jobs: list[ParseJob] = []
+        self._parser: threading.Thread | None = None
+        self._logged: set[str] = set()
+        self._history: deque[tuple[int, frozenset[ObjKey]]] = deque(maxlen=256)
+        self.background_parses = 0
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    # ---- scanning (never on a lookup's thread) ---------------------------------------------
+
+    def scan(self) -> Snapshot:
+        """Re-read the directory if it changed; SourceError if it cannot be read."""
+        with self._scan_lock:
+            started = time.monotonic()
+            error = ""
+            try:
+                self._scan_locked()
+            except Exception as e:  # noqa: BLE001 - reported to the lookups that wait
+                error = str(e) if isinstance(e, SourceError) else \
+                    f"manifest directory {self.directory}: {e}"
+                raise SourceError(error) from e
+            finally:
+                with self._cond:
+                    self.scan_error = error
+                    self._scanned_from = max(self._scanned_from, started)
+                    self.scans += 1
+                    self._cond.notify_all()
+        return self._snapshot
+
+    def _scan_locked(self) -> None:
+        if not os.path.isdir(self.directory):
+            raise SourceError(f"manifest directory {self.directory} does not exist")
+        stats: dict[str, os.stat_result] = {}
+        stamp = dir_stamp(self.directory, stats)
+        old = self._snapshot
+        if stamp == self._stamp and old.generation and not self._dir.pending \
+                and not self._dir.results_ready:
+            if not old.complete and not old.loading and not self._parsing():
+                self._snapshot = replace(old, complete=True)  # the last parse was dropped
+            return
+        read_started = time.monotonic()
+        objects, problems = self._dir.read(stats)
+        jobs = self._dir.take_jobs()
+        took = time.monotonic() - read_started
+        if took > 0.1:
+            log.debug("manifest scan: read %d objects in %.2fs", len(objects), took)
+        loading = tuple(self._dir.loading)
+        busy = bool(jobs) or self._parsing()
+        self._log_changes(problems, loading)
+        generation = old.generation + 1
+        self._history.append((generation, frozenset(self._dir.changed)))
+        self._snapshot = Snapshot(objects, tuple(problems), loading, generation,
+                                  complete=not (loading or busy))
+        self._stamp = stamp
+        if jobs:
+            self._queue(jobs)
+
+    def changed_between(self, old: int, new: int) -> frozenset[ObjKey] | None:
+        """Keys whose objects may differ between snapshots ``old`` and ``new``; None when
+        that is no longer known (compare everything)."""
+        if old == new:
+            return frozenset()
+        wanted = [keys for g, keys in list(self._history) if old < g <= new]
+        if old < 0 or len(wanted) != new - old:
+            return None
+        return frozenset().union(*wanted)
+
+    def _parsing(self) -> bool:
+        with self._cond:
+            return bool(self._jobs or self._parser is not None)
+
+    def _log_changes(self, problems: list[str], loading: tuple[str, ...]) -> None:
+        now = set(problems) | set(loading)
+        for p in problems:
+            if p not in self._logged:
+                log.warning("manifest problem: %s", p)
+        for p in loading:
+            if p not in self._logged:
+                log.info("manifest %s", p)
+        self._logged = now
+
+    # ---- the scan thread: scans asked for by lookups ------------------------------------
+
+    def request(self) -> float:
+        """Ask for a scan soon (on the scan thread); returns the time asked, for
+        ``wait_scanned``."""
+        asked = time.monotonic()
+        with self._cond:
+            self._want_scan = True
+            if self._scanner is None:
+                self._scanner = threading.Thread(target=self._scan_loop, name="manifest-scan",
+                                                 daemon=True)
+                self._scanner.start()
+            else:
+                self._cond.notify_all()
+        return asked
+
+    def wait_scanned(self, asked: float, timeout: float) -> bool:
+        """True once a scan that started at or after ``asked`` completed (within timeout)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._scanned_from < asked:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _scan_loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._want_scan:
+                    self._cond.wait(_IDLE_S)
+                if not self._want_scan:
+                    self._scanner = None
+                    return
+                self._want_scan = False
+            try:
+                self.scan()
+            except SourceError as e:
+                log.debug("manifest scan failed: %s", e)
+            except Exception:  # never let the thread die with a request outstanding
+                log.exception("manifest scan failed")
+
+    # ---- the parse thread: big files ------------------------------------------------------
+
+    def _queue(self, jobs: list[ParseJob]) -> None:
+        with self._cond:
+            self._jobs += jobs
+            if self._parser is None:
+                self._parser = threading.Thread(target=self._parse_loop, name="manifest-parse",
+                                                daemon=True)
+                self._parser.start()
+
+    def _parse_loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._jobs:
+                    self._parser = None
+                    break
+                job = self._jobs.pop(0)
+            try:
+                self._parse_one(job)
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave it "being parsed"
+                log.exception("background parse of %s failed", job.path)
+                self._dir.finish(job, self._dir.refuse(job, f"parse failed: {_one_line(e)}"))
+        self.request()  # publish the results (and "complete")
+
+    def _parse_one(self, job: ParseJob) -> None:
+        try:
+            st = os.stat(job.path)
+        except OSError:
+            return  # gone: the next scan drops it
+        if (st.st_mtime_ns, st.st_size, st.st_ino) != job.stamp:
+            return  # changed again: the next scan queues the new version
+        started = time.monotonic()
+        state = self._dir.load(job, self._parse_in_child if self.isolate else None)
+        self._dir.finish(job, state)
+        self.background_parses += 1
+        log.info("parsed %s (%d bytes, %s) in %.2fs in the background", job.path,
+                 job.st.st_size, "refused" if state is None or state.problem
+                 else f"{len(state.objects)} objects", time.monotonic() - started)
+        self.request()
+
+
+    @staticmethod
+    def _parse_in_child(path: str, data: bytes) -> tuple[dict[ObjKey, dict[str, Any]], list[str]]:
+        from agent.source.parse_worker import ChildFailed, parse_in_child
+        try:
+            return parse_in_child(path, data)
+        except ChildFailed as e:
+            log.warning("%s; parsing %s in the agent's process instead", e, path)
+            return parse_manifest(path, data)
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[Any, ...], ManifestLoader] = \
+    weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_loader(directory: str, grace: float = IN_PLACE_GRACE_S,
+                  clock: Callable[[], float] = time.time) -> ManifestLoader:
+    """The process's one loader for ``directory`` (the source and the watcher share it, so
+    every file is parsed once per change)."""
+    key = (os.path.realpath(directory), grace, clock)
+    with _SHARED_LOCK:
+        loader = _SHARED.get(key)
+        if loader is None:
+            loader = ManifestLoader(directory, grace, clock)
+            _SHARED[key] = loader
+        return loader
+
+
+class ManifestSource:
+    """MetadataSource over a manifest directory: lookups read the loader's snapshot."""
+
+    def __init__(self, directory: str, grace: float = IN_PLACE_GRACE_S,
+                 clock: Callable[[], float] = time.time, *,
+                 lookup_wait: float = LOOKUP_WAIT_S, loader: ManifestLoader | None = None) -> None:
         if not os.path.isdir(directory):
             raise SourceError(f"manifest directory {directory} does not exist")
         self.directory = directory
-        self._dir = ManifestDir(directory, grace, clock)
-        self._lock = threading.Lock()
-        self._stamp: tuple[tuple[str, float, int], ...] | None = None
-        self._objects: dict[ObjKey, dict[str, Any]] = {}
-        self._scanned_at = -1.0
+        self.loader = loader or shared_loader(directory, grace, clock)
+        self.lookup_wait = lookup_wait
         self.events: deque[PodEvent] = deque(maxlen=500)
-        self.problems: list[str] = []
+        self._late_at = -1  # loader.scans when a lookup last gave up waiting
+        self.loader.request()
 
-    def _refresh(self) -> None:
-        try:
-            stamp = dir_stamp(self.directory)
-        except OSError as e:
-            raise SourceError(f"manifest directory {self.directory}: {e}") from e
-        if stamp == self._stamp and not self._dir.pending:
-            return
-        objects, problems = self._dir.read()
-        for p in problems:
-            if p not in self.problems:
-                log.warning("manifest problem: %s", p)
-        self._objects, self.problems, self._stamp = objects, problems, stamp
+    @property
+    def problems(self) -> list[str]:
+        snap = self.loader.snapshot
+        return [*snap.problems, *snap.loading]
+
+    def current(self) -> Snapshot:
+        """The snapshot after a scan that started after this call, or — when that takes
+        longer than ``lookup_wait`` — the one published last. Never parses on this thread.
+        SourceError when the directory cannot be read."""
+        asked = self.loader.request()
+        late = self._late_at
+        # a lookup already gave up on the scan still running: do not wait for it again
+        if late < 0 or late != self.loader.scans:
+            if self.loader.wait_scanned(asked, self.lookup_wait):
+                self._late_at = -1
+                if self.loader.scan_error:
+                    raise SourceError(self.loader.scan_error)
+            else:
+                self._late_at = self.loader.scans
+                log.info("manifest lookup: no scan within %.2fs; answering from the last "
+                         "snapshot", self.lookup_wait)
+        waited = time.monotonic() - asked
+        if waited > 0.1:
+            log.debug("manifest lookup waited %.2fs for a scan", waited)
+        snap = self.loader.snapshot
+        if not snap.generation and self.loader.scan_error:
+            raise SourceError(self.loader.scan_error)
+        return snap
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        asked = time.monotonic()
-        with self._lock:
-            # A refresh that started after this lookup began already saw every change made
-            # before it: concurrent ADDs share one directory scan instead of queueing N.
-            if self._scanned_at < asked:
-                self._scanned_at = time.monotonic()
-                self._refresh()
-            return self._objects.get((kind, namespace, name))
+        return self.current().objects.get((kind, namespace, name))
 
-    def get_pod(self, namespace: str, name: str) -> PodMeta | None:
+    def peek(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object in the last published snapshot: no scan, no wait (what the watch cache
+        reads; ``get`` is the lookup that waits for a scan)."""
+        return self.loader.snapshot.objects.get((kind, namespace, name))
+
+    def get_pod(self, namespace: str, name: str, uid: str = "") -> PodMeta | None:
         obj = self.get("Pod", namespace, name)
         return None if obj is None else pod_from_object(obj)
 
@@ -270,10 +664,8 @@ class ManifestSource:
 
     def snapshot(self) -> list[WatchEvent]:
         """Every object as an ADDED event: the same shape a Kubernetes list produces."""
-        with self._lock:
-            self._scanned_at = time.monotonic()
-            self._refresh()
-            return [WatchEvent("ADDED", k[0], o) for k, o in sorted(self._objects.items())]
+        objects = self.loader.scan().objects
+        return [WatchEvent("ADDED", k[0], o) for k, o in sorted(objects.items())]
 
     def record_event(self, event: PodEvent) -> None:
         self.events.append(event)

@@ -42,8 +42,8 @@ def _str_map(value: Any) -> dict[str, str]:
 
 def pod_from_object(obj: dict[str, Any]) -> PodMeta:
     """Kubernetes Pod JSON → PodMeta (missing fields take Kubernetes' defaults)."""
-    meta = obj.get("metadata") or {}
-    spec = obj.get("spec") or {}
+    meta = _map(obj.get("metadata"))
+    spec = _map(obj.get("spec"))
     return PodMeta(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name") or ""),
@@ -59,21 +59,31 @@ def pod_from_object(obj: dict[str, Any]) -> PodMeta:
     )
 
 
+def _map(value: Any) -> dict[str, Any]:
+    """A field that should be a mapping; anything else (a hand-written manifest can hold a
+    list or a number anywhere) reads as empty rather than failing the lookup."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _holds_net_admin(spec: dict[str, Any]) -> bool:
-    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+    for c in _list(spec.get("containers")) + _list(spec.get("initContainers")):
         if not isinstance(c, dict):
             continue
-        sc = c.get("securityContext") or {}
+        sc = _map(c.get("securityContext"))
         if sc.get("privileged"):
             return True
-        caps = (sc.get("capabilities") or {}).get("add") or []
+        caps = _list(_map(sc.get("capabilities")).get("add"))
         if any(str(x).upper() in ("NET_ADMIN", "CAP_NET_ADMIN", "ALL") for x in caps):
             return True
     return False
 
 
 def namespace_from_object(obj: dict[str, Any]) -> NamespaceMeta:
-    meta = obj.get("metadata") or {}
+    meta = _map(obj.get("metadata"))
     return NamespaceMeta(
         name=str(meta.get("name") or ""),
         labels=_str_map(meta.get("labels")),

@@ -13,10 +13,11 @@ Scaling note: Pods are listed cluster-wide, not with ``spec.nodeName=<node>``: r
 pods are the endpoints of the Services local pods dial. That is O(cluster pods) memory per
 node; a later issue can narrow it to pods selected by in-scope Services.
 
-Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp), re-reads it with
-``ManifestDir`` and feeds the diff, so ``--manifests`` and the API produce the same events. A
-file that fails to parse (or is caught mid-rewrite) keeps its last good objects in the store
-rather than turning into DELETED events (see ``agent.source.manifests``).
+Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp) through the shared
+``ManifestLoader`` (which re-parses only changed files, big ones on a thread of their own)
+and feeds the diff of each new snapshot, so ``--manifests`` and the API produce the same
+events. A file that fails to parse (or is caught mid-rewrite) keeps its last good objects in
+the store rather than turning into DELETED events (see ``agent.source.manifests``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import random
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from agent.source.base import SourceError, WatchEvent
-from agent.source.events import CLUSTER_SCOPED, ObjectStore, diff_snapshots, object_key
-from agent.source.manifests import ManifestDir, dir_stamp
+from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
+from agent.source.events import _same as same_object
+from agent.source.manifests import ManifestLoader, shared_loader
+from agent.source.pace import background_slice
 
 log = logging.getLogger("aether.source.watch")
 
@@ -312,8 +314,21 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+#: A new manifest snapshot is compared and applied this many objects at a time, each batch
+#: a ``background_slice`` of a millisecond or two (a 50k-object file's first load is ~150 µs
+#: of mesh-model work per object: seconds the CNI threads must not wait behind).
+APPLY_BATCH = 10
+
+
 class ManifestWatcher:
-    """Feeds a manifest directory into ``store``: re-read on change, diffed into events."""
+    """Feeds a manifest directory into ``store``: each new snapshot diffed into events.
+
+    The directory is read through the process's shared ``ManifestLoader`` (the CNI lookups'
+    source uses the same one, so a file is parsed once per change, and only a changed file);
+    big files are parsed in the background (a child process). ``wait_synced`` holds until the
+    first complete view, big files included, is in the store (the mesh runtime bounds that
+    wait); until then objects are applied flat out, afterwards in ``background_slice``s.
+    """
 
     def __init__(
         self,
@@ -322,19 +337,24 @@ class ManifestWatcher:
         stop_event: threading.Event | None = None,
         interval: float = 0.5,
         kinds: Iterable[str] = MESH_KINDS,
+        loader: ManifestLoader | None = None,
     ) -> None:
         self.directory = directory
         self.store = store
         self.stop_event = stop_event or threading.Event()
         self.interval = interval
         self.kinds = frozenset(kinds)
-        self.problems: list[str] = []
         self.reads = 0
-        self._stamp: tuple[tuple[str, float, int], ...] | None = None
-        self._dir = ManifestDir(directory)
+        self.loader = loader or shared_loader(directory)
+        self._generation = -1
         self._last: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._synced = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def problems(self) -> list[str]:
+        snap = self.loader.snapshot
+        return [*snap.problems, *snap.loading]
 
     def start(self) -> ManifestWatcher:
         self._thread = threading.Thread(target=self._run, name="watch-manifests", daemon=True)
@@ -361,24 +381,63 @@ class ManifestWatcher:
             self.stop_event.wait(self.interval)
 
     def poll_once(self) -> list[WatchEvent]:
-        """Re-read if the directory changed; apply and return the resulting events."""
-        if not os.path.isdir(self.directory):
-            raise SourceError(f"manifest directory {self.directory} does not exist")
-        stamp = dir_stamp(self.directory)
-        if stamp == self._stamp and not self._dir.pending:
+        """Scan (parsing what changed); apply and return the events of a new snapshot.
+
+        Only the objects of files that changed since the last snapshot applied are compared
+        (all of them when that is not known); comparing and applying go in paced batches
+        (``agent.source.pace``), so a 50k-object file's first load does not hold the GIL
+        from the CNI threads. Additions
+        and changes are applied before deletions (a rename never leaves a moment with
+        neither)."""
+        snap = self.loader.scan()
+        if snap.generation == self._generation:
+            if snap.complete:
+                self._synced.set()
             return []
-        objects, problems = self._dir.read()
-        for p in problems:
-            if p not in self.problems:
-                log.warning("manifest problem: %s", p)
-        self.problems = problems
-        new = {
-            object_key(k[0], o): o for k, o in objects.items() if k[0] in self.kinds
-        }
-        events = diff_snapshots(self._last, new)
-        for ev in events:
-            self.store.apply(ev)
-        self._last, self._stamp = new, stamp
+        started = time.monotonic()
+        changed = self.loader.changed_between(self._generation, snap.generation)
+        lookup: Callable[[tuple[str, str, str]], dict[str, Any] | None]
+        if changed is None or self.kinds & (CLUSTER_SCOPED - {"Namespace"}):
+            new = {object_key(k[0], o): o for k, o in snap.objects.items() if k[0] in self.kinds}
+            keys: list[tuple[str, str, str]] = [*new, *(k for k in self._last if k not in new)]
+            lookup = new.get
+        else:  # manifest key == store key for these kinds
+            keys = [k for k in changed if k[0] in self.kinds]
+            lookup = snap.objects.get
+        events: list[WatchEvent] = []
+        deleted: list[WatchEvent] = []
+        asked = time.monotonic()
+        # before the first sync the agent serves no CNI requests yet: no need to yield
+        piece = background_slice if self._synced.is_set() else contextlib.nullcontext
+        for i in range(0, len(keys), APPLY_BATCH):
+            if self.stop_event.is_set():
+                return events  # stopping: this snapshot is never marked applied
+            if time.monotonic() - asked > self.interval:  # a long apply: keep the snapshot
+                self.loader.request()  # (what lookups read) current all the same
+                asked = time.monotonic()
+            with piece():
+                for key in keys[i:i + APPLY_BATCH]:
+                    before, after = self._last.get(key), lookup(key)
+                    if after is None:
+                        if before is not None:
+                            deleted.append(WatchEvent("DELETED", key[0], before))
+                            del self._last[key]
+                    elif before is None or not same_object(before, after):
+                        ev = WatchEvent("ADDED" if before is None else "MODIFIED", key[0], after)
+                        self._last[key] = after
+                        self.store.apply(ev)
+                        events.append(ev)
+                    elif before is not after:
+                        self._last[key] = after  # the same content, parsed again
+        for i in range(0, len(deleted), APPLY_BATCH):
+            with piece():
+                for ev in deleted[i:i + APPLY_BATCH]:
+                    self.store.apply(ev)
+                    events.append(ev)
+        self._generation = snap.generation
         self.reads += 1
-        self._synced.set()
+        log.debug("manifest snapshot %d: %d of %d objects compared changed, applied in %.2fs",
+                  snap.generation, len(events), len(keys), time.monotonic() - started)
+        if snap.complete:
+            self._synced.set()
         return events
