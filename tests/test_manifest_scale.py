@@ -501,3 +501,18 @@ def test_the_watch_cache_in_manifest_mode_reads_the_snapshot_not_a_lagging_store
     assert time.monotonic() - started < 0.5
     gate.open.set()
     assert src.get_pod("app", "api") is not None  # a miss waits for a scan
+
+
+def test_namespaces_are_applied_before_their_pods(tmp_path: Path) -> None:
+    """The mesh model re-evaluates a namespace's every pod when the namespace changes: a
+    namespace applied after 50k pods holds its lock for seconds, so it always goes first."""
+    loader = ManifestLoader(str(tmp_path), grace=0.0)
+    store = ObjectStore()
+    seen: list[str] = []
+    store.on_event(lambda e: seen.append(e.kind))
+    w = ManifestWatcher(str(tmp_path), store, loader=loader)
+    w.poll_once()  # empty: from now on the watcher diffs incrementally
+    (tmp_path / "all.yaml").write_text("---\n".join(
+        [pod_doc(f"p{i}") for i in range(40)] + [NS]))
+    w.poll_once()
+    assert seen[0] == "Namespace" and seen.count("Namespace") == 1 and len(seen) == 41

@@ -404,6 +404,9 @@ class ManifestWatcher:
         else:  # manifest key == store key for these kinds
             keys = [k for k in changed if k[0] in self.kinds]
             lookup = snap.objects.get
+        # Namespaces first: the mesh model re-evaluates every pod of a namespace when the
+        # namespace changes (50k pods: seconds under its lock), so never after its pods
+        keys = [k for k in keys if k[0] == "Namespace"] + [k for k in keys if k[0] != "Namespace"]
         events: list[WatchEvent] = []
         deleted: list[WatchEvent] = []
         asked = time.monotonic()
