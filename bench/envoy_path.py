@@ -645,9 +645,16 @@ def main(argv: list[str] | None = None) -> int:
             return dial(pod.netns, env.gw4, probe_port, timeout=PROBE_TIMEOUT_S)
 
         env.start()
+        envoy_before = env.envoy_pid()
         for lv in env.levels:
             env.time_add(lv, probe)
         env.verify()
+        if env.envoy_pid() != envoy_before:  # its counters restarted at zero with it
+            e = env.agent.status().get("envoy", {})
+            raise RuntimeError(f"the node Envoy restarted during the ADD phase (pid "
+                               f"{envoy_before} -> {env.envoy_pid()}, netns_restarts="
+                               f"{e.get('netns_restarts')}, hang_kills={e.get('hang_kills')}, "
+                               f"restarts={e.get('restarts')})")
         # upstreams leave from the pod's own address now: judge by Envoy's per-pod listener
         # counter instead (every probe that reached the server passed a capture listener)
         carried = sum(env.stat(f"listener.capture-{p.container_id}.downstream_cx_total")
@@ -679,7 +686,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         for ph in (base, env):
             if os.path.exists(ph.agent.log_path):
-                progress(f"[{ph.name}] agent log tail:\n" + ph.agent.logs()[-2000:])
+                text = ph.agent.logs()
+                bad = [ln[:600] for ln in text.splitlines()  # Envoy's info lines fill any tail
+                       if '"level": "error"' in ln or '"level": "warning"' in ln
+                       or "][critical]" in ln or "][error]" in ln]
+                if bad:
+                    progress(f"[{ph.name}] agent warnings and errors (last 20):\n"
+                             + "\n".join(bad[-20:]))
+                progress(f"[{ph.name}] agent log tail:\n" + text[-2000:])
         raise
     finally:
         try:

@@ -35,6 +35,11 @@ from agent.state import CapturedPod
 
 log = logging.getLogger("aether.envoy")
 
+# A leaked netns must still be foreign after this many re-samples this far apart (a bind's
+# legitimate visit lasts microseconds; the leak lasts until Envoy exits).
+NETNS_CONFIRM_SAMPLES = 5
+NETNS_CONFIRM_INTERVAL_S = 0.05
+
 
 class ListenerNotConfirmed(Exception):
     pass
@@ -171,6 +176,14 @@ class EnvoySink:
         try:
             here = netns_identity("/proc/self/ns/net")
             there = netns_identity(f"/proc/{pid}/ns/net")
+            # Envoy's main thread is in a pod's netns, legitimately, for the few microseconds
+            # of each listener bind: one sample can land in that window. The leak is
+            # persistent, so only a netns that stays foreign across every re-sample counts.
+            for _ in range(NETNS_CONFIRM_SAMPLES):
+                if here == there:
+                    return True
+                time.sleep(NETNS_CONFIRM_INTERVAL_S)
+                there = netns_identity(f"/proc/{pid}/ns/net")
         except OSError:
             return True  # exited meanwhile: the supervisor restarts it
         if here == there:
