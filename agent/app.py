@@ -57,6 +57,7 @@ class AgentOptions:
     envoy_on_exit: str = "auto"  # auto: keep Envoy unless stopping for good; stop; keep
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None or 0: no metrics server
+    live_enrollment: bool = True  # capture/release running pods as labels change
 
 
 class Agent:
@@ -76,6 +77,7 @@ class Agent:
         self.slices: Any = None
         self.gamma_lease: Any = None
         self.gamma_status: Any = None
+        self.enrollment: Any = None  # agent.enroll.EnrollmentLoop with a mesh source
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -118,6 +120,10 @@ class Agent:
         if self.options.mesh:
             self._start_mesh()
         self.cni_server.start()
+        if self.mesh is not None and self.options.live_enrollment:
+            from agent.enroll import EnrollmentLoop
+            self.enrollment = EnrollmentLoop(self.handler, self.mesh.objects, self.node)
+            self.enrollment.start()
         self.status_server.start()
         if self.options.kube and self.options.node_loops:
             self._start_node_loops()
@@ -308,6 +314,8 @@ class Agent:
         self.readiness.start()
 
     def stop(self) -> None:
+        if self.enrollment is not None:
+            self.enrollment.stop()
         if self.repair is not None:
             self.repair.stop()
         o = self.options
@@ -451,6 +459,12 @@ class Agent:
                             "mark on its own sockets and bypass capture"}
                 for p in pods if p["net_admin"]],
             "reconcile": list(self.reconcile_report),
+            # running pods ADD left uncaptured, watched for a label/annotation that captures them
+            "live_enrollment": {
+                "enabled": self.enrollment is not None,
+                "watched_uncaptured": len(self.store.all_seen()),
+                "passes": self.enrollment.passes if self.enrollment is not None else 0,
+            },
             "pin_dir": {"path": self.pin_dir, "propagation": self.pin_peer_group or "private",
                         "envoy_sees_pins": self.envoy_sees_pins()},
             "source_problems": self._source_problems(),

@@ -64,6 +64,7 @@ def run(
     daemonset_namespace: Annotated[str, typer.Option(envvar="POD_NAMESPACE", help="Our namespace.")] = "aether-system",
     metrics_port: Annotated[int, typer.Option(help="Port of /metrics, /healthz, /readyz (0: off).")] = 15020,
     metrics_host: Annotated[str, typer.Option(help="Address the metrics server binds.")] = "0.0.0.0",
+    live_enrollment: Annotated[bool, typer.Option("--live-enrollment/--no-live-enrollment", help="Capture running pods when they become managed (label/annotation change) and release them when they stop being managed, without a restart.")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
 ) -> None:
@@ -116,7 +117,7 @@ def run(
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
         gamma_controller_name=controller_name, xmesh_create=xmesh_create,
-        envoy_on_exit=envoy_on_exit,
+        envoy_on_exit=envoy_on_exit, live_enrollment=live_enrollment,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()

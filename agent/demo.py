@@ -98,6 +98,8 @@ class Demo:
         self.pods: dict[str, Any] = {}
         self.servers: list[Any] = []
         self._routes: list[tuple[str, str]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.counter_delta: dict[str, int] = {}
 
     # -- steps -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -152,9 +154,16 @@ class Demo:
              f"http://echo/ ({ECHO_IP}:80) and 20 with x-version: v2")
         from agent.testing.netutil import http_get_from
         client = self.pods["client"].netns
+        before = self._envoy_counters()
         plain = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo"}, count=self.requests)
         v2 = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo", "x-version": "v2"},
                            count=20)
+        self._record_failures("plain", plain)
+        self._record_failures("x-version: v2", v2)
+        if self.failures:
+            after = self._envoy_counters()
+            self.counter_delta = {k: v - before.get(k, 0) for k, v in after.items()
+                                  if v != before.get(k, 0)}
         split = Counter(h.get("x-pod", f"status {s}") for s, h, _ in plain)
         header = Counter(h.get("x-pod", f"status {s}") for s, h, _ in v2)
         stats = self._envoy_stats()
@@ -188,7 +197,43 @@ class Demo:
         for ok, what in ((ok_split, "the 50/50 split splits"), (ok_header, "the header match matches"),
                          (ok_envoy, "every request went through the node Envoy")):
             print(f"{'PASS' if ok else 'FAIL'}: {what}")
-        return 0 if ok_split and ok_header and ok_envoy else 1
+        if self.failures:
+            self._print_failures()
+        return 0 if ok_split and ok_header and ok_envoy and not self.failures else 1
+
+    def _print_failures(self) -> None:
+        print(f"{len(self.failures)} failed requests:")
+        for f in self.failures:
+            print(f"  [{f['batch']} #{f['index']}] status {f['status']} {f['headers']} "
+                  f"body={f['body']!r}")
+        print("Envoy counters that moved during the requests:")
+        for name, n in sorted(self.counter_delta.items()):
+            if any(w in name for w in ("fail", "reset", "timeout", "5xx", "503", "no_healthy",
+                                       "overflow", "destroy", "error", "retry", "no_route",
+                                       "no_cluster", "cx_total", "rq_total")):
+                print(f"  {name:<60} +{n}")
+
+    # -- failures ----------------------------------------------------------------------------
+    def _record_failures(self, batch: str, answers: list[tuple[int, dict[str, str], bytes]]
+                         ) -> None:
+        """Keep every answer that is not a backend's 200, with what Envoy said about it."""
+        for i, (status, headers, body) in enumerate(answers):
+            if status == 200 and "x-pod" in headers:
+                continue
+            self.failures.append({
+                "batch": batch, "index": i, "status": status,
+                "headers": {k: v for k, v in headers.items()
+                            if k.startswith("x-envoy") or k in ("server", "error", "x-pod")},
+                "body": body[:300].decode(errors="replace"),
+            })
+
+    def _envoy_counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for line in self._admin("/stats").splitlines():
+            name, _, value = line.partition(": ")
+            if value.strip().isdigit() and (name.startswith(("cluster.svc|", "http.", "listener."))):
+                out[name] = int(value)
+        return out
 
     # -- helpers -----------------------------------------------------------------------------
     def _admin(self, path: str) -> str:

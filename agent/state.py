@@ -6,6 +6,7 @@ so it can re-verify tables and re-serve listeners without asking kubelet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,8 @@ class CapturedPod:
     pinned: bool = False
     captured_at: float = 0.0
     net_admin: bool = False
+    redirect_all_default: bool = False  # the netconf's, so a live re-decision matches ADD's
+    enrolled_live: bool = False  # captured by a label/annotation change, not by its ADD
 
     @property
     def key(self) -> str:
@@ -68,6 +71,28 @@ class AddIntent:
     pinned: bool
 
 
+@dataclass
+class SeenPod:
+    """A pod that went through ADD uncaptured (not managed then), remembered with its netns so
+    a label or annotation change can capture it live (agent/enroll.py), and a pod released
+    live, remembered so it can be captured again. DEL forgets it."""
+
+    container_id: str
+    uid: str
+    namespace: str
+    name: str
+    kubelet_netns: str
+    ifname: str
+    ips: list[str]
+    netns_id: list[int]  # (st_dev, st_ino) when seen: a reused /proc/<pid> path is not it
+    redirect_all_default: bool = False  # the netconf's capture_redirect_all_default
+    seen_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
 TEMP_PREFIX = ".pod."
 INTENT_SUFFIX = ".adding"
 
@@ -86,6 +111,7 @@ class StateStore:
         self.pods: dict[str, CapturedPod] = {}
         self.load_problem: str | None = None
         self.swept: list[str] = []  # temp files of interrupted writes removed by load()
+        self.seen: dict[str, SeenPod] = {}  # uncaptured pods with a netns (live enrollment)
 
     def _path(self, container_id: str) -> str:
         return os.path.join(self.directory, f"{container_id}.json")
@@ -112,12 +138,65 @@ class StateStore:
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 problems.append(f"{name}: {e}")
                 os.replace(path, path + ".corrupt")
+        seen = self._load_seen()
         if problems:
             self.load_problem = (f"state records unreadable ({'; '.join(problems)}); moved aside "
                                  "as *.corrupt, rebuilding from the live netns")
             log.error(self.load_problem)
         with self._lock:
             self.pods = pods
+            self.seen = seen
+
+    # -- uncaptured pods (live enrollment) ----------------------------------------------
+    @property
+    def seen_dir(self) -> str:
+        return os.path.join(self.directory, "seen")
+
+    def _load_seen(self) -> dict[str, SeenPod]:
+        out: dict[str, SeenPod] = {}
+        try:
+            names = sorted(os.listdir(self.seen_dir))
+        except FileNotFoundError:
+            return out
+        for name in names:
+            path = os.path.join(self.seen_dir, name)
+            if name.startswith(TEMP_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    seen = SeenPod(**json.load(f))
+                out[seen.container_id] = seen
+            except (OSError, ValueError, TypeError) as e:
+                log.error("uncaptured-pod record %s unreadable (%s): dropped; that pod is "
+                          "enrolled live only after its next ADD", name, e)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return out
+
+    def put_seen(self, seen: SeenPod) -> None:
+        self._write_file(os.path.join(self.seen_dir, f"{seen.container_id}.json"),
+                         asdict(seen), sync=False, directory=self.seen_dir)
+        with self._lock:
+            self.seen[seen.container_id] = seen
+
+    def remove_seen(self, container_id: str) -> SeenPod | None:
+        with self._lock:
+            seen = self.seen.pop(container_id, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.seen_dir, f"{container_id}.json"))
+        return seen
+
+    def get_seen(self, container_id: str) -> SeenPod | None:
+        with self._lock:
+            return self.seen.get(container_id)
+
+    def all_seen(self) -> list[SeenPod]:
+        with self._lock:
+            return list(self.seen.values())
 
     def _sweep_temp(self, names: list[str]) -> list[str]:
         """Remove the temp files of writes a crash (SIGKILL) interrupted: a temp file is
@@ -139,9 +218,11 @@ class StateStore:
         data = {"version": STATE_VERSION, "pod": pod.to_json()}
         self._write_file(self._path(pod.container_id), data, sync=True)
 
-    def _write_file(self, path: str, data: dict[str, Any], sync: bool) -> None:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=self.directory)
+    def _write_file(self, path: str, data: dict[str, Any], sync: bool,
+                    directory: str = "") -> None:
+        directory = directory or self.directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, sort_keys=True)

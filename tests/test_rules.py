@@ -54,7 +54,7 @@ def test_custom_ports_and_mark() -> None:
     assert d.policy is not None
     text = render_ruleset(d.policy)
     assert "meta mark & 0x0000ff00 == 0x00004a00 return" in text
-    assert "tcp dport 19000 redirect to :16001" in text
+    assert "tcp dport 19000 tcp flags & (syn | ack) == syn redirect to :16001" in text
 
 
 def test_mark_alone_never_returns_when_the_proxy_cgroup_is_known() -> None:

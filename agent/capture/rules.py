@@ -64,11 +64,17 @@ def render_rules(policy: CapturePolicy) -> list[str]:
     if policy.exclude_ports:
         ports = [_port(r) for r in policy.exclude_ports]
         rules.append(f'tcp dport {_set(ports)} return comment "exclude-outbound-ports"')
+    # Only a connection's opening SYN is redirected. NAT is decided at the first packet
+    # conntrack sees; a connection open before the table existed (a pod enrolled live) is
+    # picked up mid-stream by conntrack and must keep its direct path rather than be sent,
+    # mid-stream, to a listener that never saw its handshake. No TCP connection opens
+    # without a SYN, so nothing new escapes.
+    syn = "tcp flags & (syn | ack) == syn"
     if policy.redirect_all:
-        rules.append(f'meta l4proto tcp redirect to :{policy.capture_port} comment "redirect-all"')
+        rules.append(f'{syn} redirect to :{policy.capture_port} comment "redirect-all"')
     else:
         rules.append(
-            f"tcp dport {policy.mesh_port} redirect to :{policy.capture_port}"
+            f"tcp dport {policy.mesh_port} {syn} redirect to :{policy.capture_port}"
             ' comment "scoped: mesh port"'
         )
     return rules

@@ -38,7 +38,7 @@ from agent.netns.pin import needs_pin, netns_state, pin, unpin
 from agent.source.base import MetadataSource, PodEvent, SourceError
 from agent.source.event_queue import EventQueue
 from agent.source.model import NamespaceMeta, PodMeta
-from agent.state import AddIntent, CapturedPod, StateStore
+from agent.state import AddIntent, CapturedPod, SeenPod, StateStore
 
 log = logging.getLogger("aether.cni")
 
@@ -90,6 +90,9 @@ class Counters:
     check_ok: int = 0
     check_failed: int = 0
     annotation_errors: int = 0
+    enrolled: int = 0  # captured live on a label/annotation change
+    released: int = 0  # released live
+    reapplied: int = 0  # exclusions changed in place
 
 
 class CniHandler:
@@ -238,6 +241,9 @@ class CniHandler:
         keep = {(str(a.get("containerID", "")), str(a.get("ifname", "")))
                 for a in valid if isinstance(a, dict)}
         keep_ids = {cid for cid, _ in keep}
+        for seen in self.store.all_seen():
+            if (seen.container_id, seen.ifname) not in keep and seen.container_id not in keep_ids:
+                self.store.remove_seen(seen.container_id)
         for record in self.store.all():
             if (record.container_id, record.ifname) in keep or (
                     not record.ifname and record.container_id in keep_ids):
@@ -319,6 +325,7 @@ class CniHandler:
         if not decision.captured or decision.policy is None:
             self.counters.add_skipped += 1
             log.info("ADD %s: not captured: %s", pod.key, decision.reason, extra=fields)
+            self._remember(req, pod)
             return False
         if decision.problems:
             self._report_problems(pod, decision)
@@ -418,6 +425,7 @@ class CniHandler:
             pinned=pinned,
             captured_at=time.time(),
             net_admin=pod.net_admin,
+            redirect_all_default=self._redirect_all_default(req["netconf"]),
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         try:
@@ -429,6 +437,7 @@ class CniHandler:
             raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot record the capture of {pod.key}",
                              str(e)) from e
         self.store.end_add(cid)
+        self.store.remove_seen(cid)
         _fault("crash-before-listener")
         try:
             self.sink.add_pod(record)
@@ -468,8 +477,133 @@ class CniHandler:
         self.events.put(PodEvent(pod.namespace, pod.name, pod.uid,
                                  REASON_INVALID_ANNOTATION, message))
 
+    # -- live enrollment and release (agent/enroll.py decides, these act) -----------------
+    def _remember(self, req: dict[str, Any], pod: PodMeta) -> None:
+        """An uncaptured pod with a netns: remember it so a later label or annotation change
+        can capture it live. Best effort: never fails the ADD."""
+        path = req["netns"]
+        if not path:
+            return
+        try:
+            check_netns_path(path)
+            ident = netns_identity(path)
+            if ident in host_netns_identities():
+                return
+            self.store.put_seen(SeenPod(
+                container_id=req["container_id"], uid=pod.uid, namespace=pod.namespace,
+                name=pod.name, kubelet_netns=path, ifname=req["ifname"], ips=req["ips"],
+                netns_id=list(ident), seen_at=time.time(),
+                redirect_all_default=self._redirect_all_default(req["netconf"])))
+        except (NetnsError, OSError) as e:
+            log.info("ADD %s: not remembered for live enrollment: %s", pod.key, e)
+
+    def enroll(self, container_id: str) -> bool:
+        """Capture a running pod that went through ADD uncaptured, now that it is to be
+        captured: the same checks, order and fail-closed steps as ADD. True when captured."""
+        with self._pod_lock(container_id):
+            seen = self.store.get_seen(container_id)
+            if seen is None or self.store.get(container_id) is not None:
+                return False
+            try:
+                ident = netns_identity(seen.kubelet_netns)
+            except OSError:
+                ident = None
+            if ident is None or list(ident) != list(seen.netns_id):
+                log.info("%s: netns %s is gone or no longer the pod's: forgotten", seen.key,
+                         seen.kubelet_netns)
+                self.store.remove_seen(container_id)
+                return False
+            req = {"command": "ADD", "container_id": container_id, "netns": seen.kubelet_netns,
+                   "ifname": seen.ifname, "ips": list(seen.ips),
+                   "netconf": {"capture_redirect_all_default": seen.redirect_all_default},
+                   "args": {"K8S_POD_NAMESPACE": seen.namespace, "K8S_POD_NAME": seen.name,
+                            "K8S_POD_UID": seen.uid}}
+            try:
+                captured = self._add(req)
+            except CniFailure as e:
+                self.counters.add_failed += 1
+                log.error("live enrollment of %s failed: %s (%s); it stays uncaptured and is "
+                          "tried again", seen.key, e.msg, e.details,
+                          extra={"pod": seen.name, "namespace": seen.namespace})
+                return False
+            if captured:
+                record = self.store.get(container_id)
+                if record is not None:
+                    record.enrolled_live = True
+                    self.store.put(record)
+                self.counters.enrolled += 1
+                log.info("%s enrolled live: captured while running (new connections go "
+                         "through the proxy; open ones finish directly)", seen.key,
+                         extra={"pod": seen.name, "namespace": seen.namespace})
+            return captured
+
+    def release(self, container_id: str, why: str) -> bool:
+        """Release a captured, running pod (no longer to be captured): table first, so new
+        connections go direct at once, then the listener; remembered for re-enrollment."""
+        with self._pod_lock(container_id):
+            record = self.store.get(container_id)
+            if record is None:
+                return False
+            try:
+                ident: list[int] = list(netns_identity(record.netns))
+            except OSError:
+                ident = []
+            self._drop_table(record.netns)
+            try:
+                self.sink.remove_pod(record)
+            except Exception as e:  # noqa: BLE001 - the table is gone: traffic flows already
+                log.error("releasing %s: listener removal failed: %s", record.key, e)
+            if record.pinned:
+                try:
+                    unpin(record.netns)
+                except OSError as e:
+                    log.error("releasing %s: unpin %s: %s", record.key, record.netns, e)
+            self.store.remove(container_id)
+            if ident and record.kubelet_netns:
+                try:
+                    now = list(netns_identity(record.kubelet_netns))
+                except OSError:
+                    now = []
+                if now == ident:
+                    self.store.put_seen(SeenPod(
+                        container_id=container_id, uid=record.uid, namespace=record.namespace,
+                        name=record.name, kubelet_netns=record.kubelet_netns,
+                        ifname=record.ifname, ips=list(record.ips), netns_id=ident,
+                        redirect_all_default=record.redirect_all_default, seen_at=time.time()))
+            if self.on_released is not None:
+                try:
+                    self.on_released(record)
+                except Exception:
+                    log.exception("unregistering %s from the mesh model failed", record.key)
+            self.counters.released += 1
+            log.info("%s released live (%s): its traffic flows directly; connections open "
+                     "through the proxy end when its listener drains", record.key, why,
+                     extra={"pod": record.name, "namespace": record.namespace})
+            return True
+
+    def reapply(self, container_id: str, policy: Any, reason: str) -> bool:
+        """A captured pod's exclusions changed: re-program its table in place (one atomic
+        transaction, so no packet sees a half-updated table)."""
+        with self._pod_lock(container_id):
+            record = self.store.get(container_id)
+            if record is None or record.policy == policy:
+                return False
+            try:
+                fp = nft.apply_ruleset(record.netns, render_ruleset(policy))
+            except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+                log.error("re-applying the capture of %s failed: %s; the previous rules stay",
+                          record.key, e)
+                return False
+            record.policy, record.fingerprint, record.reason = policy, fp, reason
+            self.store.put(record)
+            self.counters.reapplied += 1
+            log.info("%s: capture rules updated in place (%s)", record.key, reason,
+                     extra={"pod": record.name, "namespace": record.namespace})
+            return True
+
     # -- DEL -----------------------------------------------------------------------------
     def _del(self, req: dict[str, Any]) -> None:
+        self.store.remove_seen(req["container_id"])
         record = self.store.get(req["container_id"])
         if record is None:
             # Not ours (or already cleaned): still drop a table and a pin a crashed ADD may

@@ -60,6 +60,14 @@ class CachedSource:
         self.misses += 1
         return self.inner.get_namespace(name)
 
+    def cached(self, namespace: str, name: str) -> tuple[PodMeta | None, NamespaceMeta | None]:
+        """The pod and its namespace as ADD would see them from memory, never asking the
+        inner source: the live-enrollment loop decides on exactly the view ADD uses."""
+        pod = self._cached("Pod", namespace, name)
+        ns = self._cached("Namespace", "", namespace)
+        return (pod_from_object(pod) if pod is not None else None,
+                namespace_from_object(ns) if ns is not None else None)
+
     def record_event(self, event: PodEvent) -> None:
         self.inner.record_event(event)
 
