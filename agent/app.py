@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ class AgentOptions:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # None or 0: no metrics server
     live_enrollment: bool = True  # capture/release running pods as labels change
+    release_on_removal: bool = True  # our DaemonSet deleted: release every pod before exit
 
 
 class Agent:
@@ -95,6 +97,7 @@ class Agent:
         self.reconcile_report: list[str] = []
         self.pin_peer_group = ""  # "shared:N" once <run-dir>/netns is a shared mount
         self.stopped = threading.Event()
+        self.on_exit_request: Callable[[], None] | None = None  # `uninstall` ends the process
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -323,6 +326,9 @@ class Agent:
         if o.kube:
             from agent.node.readiness import shutting_down_for_good
             for_good = shutting_down_for_good(o.kubeconfig, o.daemonset_namespace, o.daemonset_name)
+        # only our DaemonSet seen gone or deleting counts (no DaemonSet name: never)
+        if o.kube and o.daemonset_name and for_good and o.release_on_removal:
+            self._release_on_removal()
         if self.readiness is not None or self.slices is not None:
             if self.readiness is not None:
                 self.readiness.stop(for_good=for_good)
@@ -347,6 +353,42 @@ class Agent:
             else:
                 stop()
         self.stopped.set()
+
+    def _release_on_removal(self, wait_s: float = 30.0) -> None:
+        """Our DaemonSet is being deleted: once `cni-install` has taken aether-cni out of the
+        CNI config (so no new pod is captured), release every pod; an upgrade never gets
+        here (the DaemonSet is still there)."""
+        from agent.node.readiness import plugin_installed
+        o = self.options
+        deadline = time.monotonic() + wait_s
+        while plugin_installed(o.cni_conf_dir, o.cni_bin_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if plugin_installed(o.cni_conf_dir, o.cni_bin_dir):
+            log.error("our DaemonSet is being deleted but aether-cni is still in the CNI config "
+                      "after %.0fs: releasing the pods anyway (new pods fail ADD until the "
+                      "entry goes)", wait_s)
+        self.release_all("our DaemonSet is being deleted")
+
+    def release_all(self, why: str) -> dict[str, Any]:
+        """Release every captured pod (uninstall, or our DaemonSet deleted): no new capture
+        from here on, each pod's table then its listener, and nothing remembered."""
+        self.handler.uninstalling = True
+        if self.enrollment is not None:
+            self.enrollment.stop()
+            self.enrollment = None
+        records = sorted(self.store.all(), key=lambda r: r.key)
+        log.warning("%s: releasing all %d captured pods; their traffic flows directly from "
+                    "now on", why, len(records))
+        released: list[str] = []
+        failed: list[str] = []
+        for i, rec in enumerate(records, 1):
+            ok = self.handler.release(rec.container_id, why, remember=False)
+            (released if ok else failed).append(rec.key)
+            log.info("[%d/%d] %s %s", i, len(records), rec.key, "released" if ok else "FAILED")
+        for seen in self.store.all_seen():
+            self.store.remove_seen(seen.container_id)
+        failed += [r.key for r in self.store.all()]  # a release that could not drop its table
+        return {"released": released, "failed": failed}
 
     def reconcile(self) -> None:
         """Bring recorded pods back to their recorded capture (or forget them if dead)."""
@@ -597,8 +639,14 @@ class Agent:
         command = request.get("command")
         if command == "status":
             return {"ok": True, "status": self.status()}
+        if command == "uninstall":  # root only: the status socket is mode 0600
+            report = self.release_all("aether-agent uninstall")
+            self.options.envoy_on_exit = "stop"
+            if self.on_exit_request is not None:  # answer first, then exit
+                threading.Timer(0.3, self.on_exit_request).start()
+            return {"ok": True, "uninstall": report, "pid": os.getpid()}
         if command != "pod":
-            return {"ok": False, "msg": 'expected "command": "status" or "pod"'}
+            return {"ok": False, "msg": 'expected "command": "status", "pod" or "uninstall"'}
         pod, dest = request.get("pod"), request.get("dest")
         if not isinstance(pod, str) or pod.count("/") != 1:
             return {"ok": False, "msg": 'expected "pod": "<namespace>/<name>"'}

@@ -121,6 +121,7 @@ def run(
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()
+    agent.on_exit_request = done.set
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     agent.start()
@@ -167,6 +168,64 @@ def status(
     if pod:
         raise typer.Exit(1 if doc.get("degraded", doc.get("rules_verified") != "ok") else 0)
     raise typer.Exit(1 if doc.get("degraded") else 0)
+
+
+@app.command()
+def uninstall(
+    run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
+    cni: Annotated[bool, typer.Option("--cni/--no-cni", help="First take aether-cni out of the CNI config (as `cni-install --uninstall` does) so no new pod is captured.")] = True,
+    cni_conf_dir: Annotated[str, typer.Option(help="kubelet's CNI config dir.")] = "/etc/cni/net.d",
+    cni_bin_dir: Annotated[str, typer.Option(help="Host CNI bin dir.")] = "/opt/cni/bin",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the agent to exit.")] = 60.0,
+) -> None:
+    """Release every pod this node captured (tables, listeners, pins, state) and stop the node
+    Envoy: the pods' traffic then flows directly. Works with the agent running or not."""
+    from agent import logs
+    from agent.uninstall import Report, release_offline, stop_envoy, wait_gone
+
+    logs.setup("info", "text")
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if cni:
+        from agent.install import conflist as cl
+        from agent.install.installer import Installer, InstallOptions
+        progress(f"removing aether-cni from {cni_conf_dir} and {cni_bin_dir}")
+        try:
+            Installer(InstallOptions(cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir,
+                                     netconf=cl.NetconfOptions())).uninstall()
+        except (OSError, cl.ConfigError) as e:
+            progress(f"could not remove the CNI entry ({e}); pods started from now on may "
+                     "fail ADD until it is removed")
+    report = Report()
+    try:
+        answer = _ask(run_dir, {"command": "uninstall"})
+    except (OSError, ValueError, LookupError) as e:
+        progress(f"no agent answers at {run_dir}/status.sock ({e}): releasing from its records")
+        report = release_offline(run_dir, progress)
+    else:
+        done = answer.get("uninstall") or {}
+        report.released = [str(x) for x in done.get("released") or []]
+        report.failed = [str(x) for x in done.get("failed") or []]
+        for key in report.released:
+            progress(f"{key}: released by the agent")
+        pid = answer.get("pid")
+        progress("waiting for the agent to stop its Envoy and exit …")
+        if not wait_gone(os.path.join(run_dir, "status.sock"),
+                         int(pid) if isinstance(pid, int) else None, timeout):
+            report.failed.append(f"the agent (pid {pid}) did not exit within {timeout:.0f}s")
+        report.envoy_stopped = stop_envoy(run_dir, progress)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        print(f"released {len(report.released)} pod(s); envoy "
+              f"{'stopped' if report.envoy_stopped else 'STILL RUNNING'}"
+              + (f"; FAILED: {'; '.join(report.failed)}" if report.failed else ""))
+        for note in report.notes:
+            print(f"  note: {note}")
+    raise typer.Exit(0 if report.ok and report.envoy_stopped else 1)
 
 
 @app.command()

@@ -132,6 +132,17 @@ class Demo:
         self._wait(lambda: self._admin("/ready").strip() == "LIVE", 60, "Envoy did not get ready")
 
         _say(3, self.STEPS, "creating pods through bridge + host-local + aether-cni (as kubelet)")
+        import threading  # TEMP
+        self._seen: dict[str, float] = {}
+        self._stop_diag = threading.Event()
+
+        def poll() -> None:  # TEMP
+            while not self._stop_diag.is_set():
+                for line in self._admin("/clusters").splitlines():
+                    if "::health_flags::healthy" in line:
+                        self._seen.setdefault(line.split("::")[0], time.time())
+                time.sleep(0.002)
+        threading.Thread(target=poll, daemon=True).start()
         self.kubelet = Kubelet(self.workdir, self.bridge, SUBNET4, SUBNET6,
                                {"agent_socket": os.path.join(self.run_dir, "cni.sock"),
                                 "capture_redirect_all_default": True})
@@ -139,6 +150,7 @@ class Demo:
             pod = self.kubelet.new_pod(NS, name)
             self.kubelet.add(pod)
             self.pods[name] = pod
+            self._seen["ADD " + name] = time.time()  # TEMP
             print(f"      {NS}/{name}: {pod.ip(4)} netns {pod.netns_name} captured",
                   file=sys.stderr)
 
@@ -149,6 +161,12 @@ class Demo:
 
         _say(5, self.STEPS, "waiting for the mesh config (echo in the node's dependency set)")
         self._wait(self._echo_routed, 30, "Envoy never routed http://echo/")
+        self._seen["probe ok"] = time.time()  # TEMP
+        time.sleep(0.3)
+        self._stop_diag.set()
+        t0 = self._seen["probe ok"]
+        print("DIAG " + " ".join(f"{k}={1000*(v-t0):+.0f}ms" for k, v in
+                                 sorted(self._seen.items(), key=lambda kv: kv[1])), file=sys.stderr)
 
         _say(6, self.STEPS, f"sending {self.requests} requests from {NS}/client to "
              f"http://echo/ ({ECHO_IP}:80) and 20 with x-version: v2")
@@ -233,6 +251,13 @@ class Demo:
             name, _, value = line.partition(": ")
             if value.strip().isdigit() and (name.startswith(("cluster.svc|", "http.", "listener."))):
                 out[name] = int(value)
+        return out
+
+    def _diag_hosts(self) -> dict[str, Any]:  # TEMP
+        out: dict[str, Any] = {}
+        for line in self._admin("/clusters").splitlines():
+            if line.startswith("svc|") and ("::health_flags::" in line or "::cx_total::" in line):
+                out[line] = 1
         return out
 
     # -- helpers -----------------------------------------------------------------------------

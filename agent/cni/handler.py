@@ -121,6 +121,7 @@ class CniHandler:
         # netns identity → container id of an ADD in progress: two container ids racing into
         # one namespace see each other before either has a record
         self._netns_claims: dict[NetnsId, str] = {}
+        self.uninstalling = False  # set by uninstall: ADDs no longer capture
         self._claims_guard = threading.Lock()
 
     @contextmanager
@@ -321,6 +322,8 @@ class CniHandler:
             return False
         pod, namespace = looked
         decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        if self.uninstalling:
+            decision = CaptureDecision(False, "aether is being uninstalled from this node")
         fields = {"pod": pod.name, "namespace": pod.namespace, "container_id": cid}
         if not decision.captured or decision.policy is None:
             self.counters.add_skipped += 1
@@ -482,7 +485,7 @@ class CniHandler:
         """An uncaptured pod with a netns: remember it so a later label or annotation change
         can capture it live. Best effort: never fails the ADD."""
         path = req["netns"]
-        if not path:
+        if not path or self.uninstalling:
             return
         try:
             check_netns_path(path)
@@ -537,7 +540,7 @@ class CniHandler:
                          extra={"pod": seen.name, "namespace": seen.namespace})
             return captured
 
-    def release(self, container_id: str, why: str) -> bool:
+    def release(self, container_id: str, why: str, remember: bool = True) -> bool:
         """Release a captured, running pod (no longer to be captured): table first, so new
         connections go direct at once, then the listener; remembered for re-enrollment."""
         with self._pod_lock(container_id):
@@ -559,7 +562,7 @@ class CniHandler:
                 except OSError as e:
                     log.error("releasing %s: unpin %s: %s", record.key, record.netns, e)
             self.store.remove(container_id)
-            if ident and record.kubelet_netns:
+            if remember and ident and record.kubelet_netns:
                 try:
                     now = list(netns_identity(record.kubelet_netns))
                 except OSError:
