@@ -506,6 +506,10 @@ class Agent:
                 "enabled": self.enrollment is not None,
                 "watched_uncaptured": len(self.store.all_seen()),
                 "passes": self.enrollment.passes if self.enrollment is not None else 0,
+                "discovered": self.enrollment.discovered if self.enrollment is not None else 0,
+                # to be captured, started before aether, netns not found by IP (yet)
+                "not_found": sorted(self.enrollment.not_found.values())
+                if self.enrollment is not None else [],
             },
             "pin_dir": {"path": self.pin_dir, "propagation": self.pin_peer_group or "private",
                         "envoy_sees_pins": self.envoy_sees_pins()},

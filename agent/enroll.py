@@ -64,17 +64,45 @@ def plan(records: list[CapturedPod], seen: list[SeenPod], lookup: Lookup,
     return steps
 
 
+DISCOVERED_PREFIX = "discovered-"
+
+
+def to_discover(pods: list[PodMeta], namespaces: dict[str, NamespaceMeta],
+                records: list[CapturedPod], seen: list[SeenPod], node: NodeConfig,
+                redirect_all_default: bool) -> list[PodMeta]:
+    """Running pods of this node that are to be captured but that no ADD of ours ever saw
+    (older than aether here): their netns must be found by their IP."""
+    known = {r.uid for r in records} | {s.uid for s in seen}
+    out = []
+    for pod in pods:
+        if pod.node_name != node.node_name or pod.host_network or not pod.ips or not pod.uid:
+            continue
+        if pod.phase not in ("Running", "") or pod.uid in known:
+            continue
+        ns = namespaces.get(pod.namespace)
+        if ns is None:
+            continue
+        d = decide(pod, ns, node, redirect_all_default)
+        if d.captured and d.policy is not None:
+            out.append(pod)
+    return out
+
+
 class EnrollmentLoop:
     """Runs `plan` after Pod/Namespace changes (debounced) and every `resync_s`."""
 
     def __init__(self, handler: Any, objects: Any, node: NodeConfig,
-                 debounce_s: float = 0.2, resync_s: float = 30.0) -> None:
+                 debounce_s: float = 0.2, resync_s: float = 30.0,
+                 redirect_all_default: bool = False) -> None:
         self.handler = handler
         self.objects = objects
         self.node = node
         self.debounce_s = debounce_s
         self.resync_s = resync_s
         self.passes = 0
+        self.redirect_all_default = redirect_all_default  # for pods no ADD told us about
+        self.discovered = 0
+        self.not_found: dict[str, str] = {}  # uid → pod key: to capture, netns not found
         self.last_steps: list[Step] = []
         self._dirty = threading.Event()
         self._stop = threading.Event()
@@ -133,4 +161,29 @@ class EnrollmentLoop:
                 self.handler.release(step.container_id, step.why)
             else:
                 self.handler.reapply(step.container_id, step.policy, step.why)
+        if not self._stop.is_set():
+            self._discover()
         return steps
+
+    def _discover(self) -> None:
+        """Pods older than the agent: found by IP among the node's namespaces, then captured
+        under a synthetic container id (their kubelet DEL is matched by netns)."""
+        from agent.netns.discover import find_by_ips
+        store = self.handler.store
+        pods = [pod_from_object(o) for o in self.objects.of_kind("Pod")
+                if isinstance(o.get("spec"), dict) and o["spec"].get("nodeName") == self.node.node_name]
+        namespaces = {n.name: n for n in
+                      (namespace_from_object(o) for o in self.objects.of_kind("Namespace"))}
+        last = getattr(self.handler, "last_redirect_all_default", None)
+        default = self.redirect_all_default if last is None else bool(last)
+        todo = to_discover(pods, namespaces, store.all(), store.all_seen(), self.node, default)
+        if not todo:
+            self.not_found = {}
+            return
+        found = find_by_ips({ip: p.uid for p in todo for ip in p.ips})
+        self.not_found = {p.uid: p.key for p in todo if p.uid not in found}
+        for pod in todo:
+            path = found.get(pod.uid)
+            if path is not None and self.handler.enroll_discovered(
+                    pod, path, DISCOVERED_PREFIX + pod.uid, default):
+                self.discovered += 1

@@ -171,3 +171,38 @@ def test_connections_open_at_enrollment_finish_directly(enode: EnvoyNode) -> Non
         for c in conns:
             c.close()
         echo.close()
+
+
+def test_a_pod_older_than_aether_is_found_by_its_ip_and_released_by_its_del(
+        enode: EnvoyNode) -> None:
+    """A pod started without aether-cni in the chain: no ADD of ours ever saw it. Once its
+    Pod (with status.podIPs) says it is to be captured, the agent finds its netns by IP."""
+    pod = enode.kubelet.new_pod("app", "older")
+    plugins = enode.kubelet.conflist["plugins"]
+    enode.kubelet.conflist["plugins"] = [p for p in plugins if p["type"] != "aether-cni"]
+    try:
+        enode.add(pod)  # the reference plugins only
+    finally:
+        enode.kubelet.conflist["plugins"] = plugins
+    enode.pods.append(pod)
+    assert nft.list_table_text(pod.netns) is None
+    enode.agent.write(f"pod-app-{pod.name}.yaml", [{
+        "apiVersion": "v1", "kind": "Pod",
+        # no ADD has told the agent the netconf's redirect-all default yet: say it here
+        "metadata": {"name": pod.name, "namespace": "app", "uid": pod.uid,
+                     "annotations": {"capture.aether.io/redirect-all": "true"}},
+        "spec": {"nodeName": "test-node"},
+        "status": {"phase": "Running", "podIPs": [{"ip": pod.ip(4)}, {"ip": pod.ip(6)}]},
+    }])
+    _within(5, "found by IP and captured", lambda: _captured(enode, pod))
+    srv, port = host_server(tag=b"direct")
+    try:
+        with _frozen(enode):
+            assert dial(pod.netns, GW4, port, timeout=1.5).startswith("error:")
+    finally:
+        srv.close()
+    assert enode.agent.status()["live_enrollment"]["discovered"] == 1
+    # kubelet's DEL carries the real container id: it releases the pod all the same
+    enode.kubelet.delete(pod, remove_netns=False)
+    assert enode.agent.status()["pods"] == []
+    assert nft.list_table_text(pod.netns) is None

@@ -55,3 +55,38 @@ def test_unknown_or_replaced_pods_are_left_alone() -> None:
     assert plan([rec], [], lambda ns, n: (other, PLAIN), NODE) == []
     assert plan([], [_seen(a)], lambda ns, n: (other, MANAGED), NODE) == []
     assert [s.action for s in plan([], [_seen(a)], lambda ns, n: (a, MANAGED), NODE)] == ["capture"]
+
+
+def test_pods_older_than_the_agent_are_discovered_only_when_unknown_and_managed() -> None:
+    from agent.enroll import to_discover
+    node = NodeConfig(node_name="n1")
+    mk = lambda name, **kw: PodMeta("app", name, uid=f"u-{name}", node_name="n1",  # noqa: E731
+                                     ips=("10.0.0.9",), phase="Running", **kw)
+    pods = [mk("new"), mk("known"), mk("hostnet", host_network=True),
+            PodMeta("app", "elsewhere", uid="u-x", node_name="n2", ips=("10.0.0.8",)),
+            PodMeta("app", "noip", uid="u-y", node_name="n1"), mk("optout",
+                                                                 labels={"aether.io/managed": "false"})]
+    rec = _record(PodMeta("app", "known", uid="u-known"), MANAGED)
+    got = to_discover(pods, {"app": MANAGED}, [rec], [], node, True)
+    assert [p.name for p in got] == ["new"]
+    assert to_discover(pods, {"app": PLAIN}, [], [], node, True) == []
+
+
+def test_addresses_are_read_from_procfs_listings() -> None:
+    from agent.netns.discover import parse_fib_trie, parse_if_inet6
+    trie = """Main:
+  +-- 0.0.0.0/0 3 0 5
+     +-- 10.213.0.0/16 2 0 2
+        |-- 10.213.0.7
+           /32 host LOCAL
+        |-- 10.213.255.255
+           /32 link BROADCAST
+Local:
+  +-- 127.0.0.0/8 2 0 2
+     |-- 127.0.0.1
+        /32 host LOCAL
+"""
+    assert parse_fib_trie(trie) == {"10.213.0.7", "127.0.0.1"}
+    inet6 = ("fd00a3e100cb00000000000000000007 02 40 00 80     eth0\n"
+             "00000000000000000000000000000001 01 80 10 80       lo\n")
+    assert parse_if_inet6(inet6) == {"fd00:a3e1:cb::7", "::1"}

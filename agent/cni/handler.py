@@ -122,6 +122,9 @@ class CniHandler:
         # one namespace see each other before either has a record
         self._netns_claims: dict[NetnsId, str] = {}
         self.uninstalling = False  # set by uninstall: ADDs no longer capture
+        # the netconf's capture_redirect_all_default as the last ADD carried it: what a pod
+        # found by its IP (no ADD of its own) is decided with
+        self.last_redirect_all_default: bool | None = None
         self._claims_guard = threading.Lock()
 
     @contextmanager
@@ -322,6 +325,8 @@ class CniHandler:
             return False
         pod, namespace = looked
         decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        if not cid.startswith("discovered-"):
+            self.last_redirect_all_default = self._redirect_all_default(req["netconf"])
         if self.uninstalling:
             decision = CaptureDecision(False, "aether is being uninstalled from this node")
         fields = {"pod": pod.name, "namespace": pod.namespace, "container_id": cid}
@@ -540,6 +545,39 @@ class CniHandler:
                          extra={"pod": seen.name, "namespace": seen.namespace})
             return captured
 
+    def enroll_discovered(self, pod: PodMeta, netns: str, container_id: str,
+                          redirect_all_default: bool) -> bool:
+        """Capture a running pod no ADD of ours saw (older than aether here), found by its IP
+        in `netns`. Its kubelet DEL, under the real container id, is matched by netns."""
+        if not _CONTAINER_ID.match(container_id):
+            return False
+        with self._pod_lock(container_id):
+            if self.store.get(container_id) is not None:
+                return False
+            req = {"command": "ADD", "container_id": container_id, "netns": netns,
+                   "ifname": "eth0", "ips": list(pod.ips),
+                   "netconf": {"capture_redirect_all_default": redirect_all_default},
+                   "args": {"K8S_POD_NAMESPACE": pod.namespace, "K8S_POD_NAME": pod.name,
+                            "K8S_POD_UID": pod.uid}}
+            try:
+                captured = self._add(req)
+            except CniFailure as e:
+                self.counters.add_failed += 1
+                log.error("enrolling %s (found by its IP in %s) failed: %s (%s)", pod.key,
+                          netns, e.msg, e.details,
+                          extra={"pod": pod.name, "namespace": pod.namespace})
+                return False
+            self.store.remove_seen(container_id)  # never remember a synthetic id
+            if captured:
+                record = self.store.get(container_id)
+                if record is not None:
+                    record.enrolled_live = True
+                    self.store.put(record)
+                self.counters.enrolled += 1
+                log.info("%s enrolled live: found by its IP in %s (it started before aether)",
+                         pod.key, netns, extra={"pod": pod.name, "namespace": pod.namespace})
+            return captured
+
     def release(self, container_id: str, why: str, remember: bool = True) -> bool:
         """Release a captured, running pod (no longer to be captured): table first, so new
         connections go direct at once, then the listener; remembered for re-enrollment."""
@@ -609,6 +647,12 @@ class CniHandler:
         self.store.remove_seen(req["container_id"])
         record = self.store.get(req["container_id"])
         if record is None:
+            found = self._discovered_for(req)
+            if found is not None:  # kubelet's DEL of a pod found by its IP: release it
+                with self._pod_lock(found.container_id):
+                    self._del(dict(req, container_id=found.container_id,
+                                   netns=found.netns))
+                return
             # Not ours (or already cleaned): still drop a table and a pin a crashed ADD may
             # have left behind, but only in a netns no record owns and never the node's own.
             cid = req["container_id"]
@@ -646,6 +690,29 @@ class CniHandler:
         self.counters.del_ok += 1
         log.info("DEL %s: capture removed", record.key,
                  extra={"pod": record.name, "namespace": record.namespace})
+
+    def _discovered_for(self, req: dict[str, Any]) -> CapturedPod | None:
+        """The record of a pod enrolled by its IP (synthetic container id) that this DEL is
+        for: same netns, or (netns already gone) the same pod uid."""
+        uid = req["args"].get("K8S_POD_UID", "")
+        ident: NetnsId | None = None
+        if req["netns"]:
+            try:
+                ident = netns_identity(req["netns"])
+            except OSError:
+                ident = None
+        for rec in self.store.all():
+            if not rec.container_id.startswith("discovered-"):
+                continue
+            if uid and rec.uid == uid:
+                return rec
+            if ident is not None:
+                try:
+                    if netns_identity(rec.netns) == ident:
+                        return rec
+                except OSError:
+                    continue
+        return None
 
     def _unowned(self, netns: str, cid: str) -> bool:
         """May a DEL for unknown container `cid` clean `netns`? Not the node's own netns, not a

@@ -21,6 +21,8 @@ class PodMeta:
     node_name: str = ""
     host_network: bool = False
     net_admin: bool = False  # a container can set SO_MARK: it could forge the passthrough mark
+    ips: tuple[str, ...] = ()  # status.podIPs: how a pod older than the agent is found
+    phase: str = ""  # status.phase
 
     @property
     def key(self) -> str:
@@ -44,6 +46,10 @@ def pod_from_object(obj: dict[str, Any]) -> PodMeta:
     """Kubernetes Pod JSON → PodMeta (missing fields take Kubernetes' defaults)."""
     meta = _map(obj.get("metadata"))
     spec = _map(obj.get("spec"))
+    status = _map(obj.get("status"))
+    ips = [str(_map(x).get("ip") or "") for x in _list(status.get("podIPs"))]
+    if not ips and status.get("podIP"):
+        ips = [str(status["podIP"])]
     return PodMeta(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name") or ""),
@@ -56,6 +62,8 @@ def pod_from_object(obj: dict[str, Any]) -> PodMeta:
         node_name=str(spec.get("nodeName") or ""),
         host_network=bool(spec.get("hostNetwork") or False),
         net_admin=_holds_net_admin(spec),
+        ips=tuple(ip for ip in ips if ip),
+        phase=str(status.get("phase") or ""),
     )
 
 
