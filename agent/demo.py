@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from agent.envoy.resources import HTTP_FAILURE_LOG_TAG, service_cluster_name
 from agent.envoy.supervisor import admin_request
 from agent.netns.pin import release_pin_dir
 
@@ -99,6 +100,7 @@ class Demo:
         self.servers: list[Any] = []
         self._routes: list[tuple[str, str]] = []
         self.failures: list[dict[str, Any]] = []
+        self.run_id = f"demo-{os.getpid()}"  # x-request-id prefix: names requests in Envoy's log
         self.counter_delta: dict[str, int] = {}
 
     # -- steps -------------------------------------------------------------------------------
@@ -132,17 +134,6 @@ class Demo:
         self._wait(lambda: self._admin("/ready").strip() == "LIVE", 60, "Envoy did not get ready")
 
         _say(3, self.STEPS, "creating pods through bridge + host-local + aether-cni (as kubelet)")
-        import threading  # TEMP
-        self._seen: dict[str, float] = {}
-        self._stop_diag = threading.Event()
-
-        def poll() -> None:  # TEMP
-            while not self._stop_diag.is_set():
-                for line in self._admin("/clusters").splitlines():
-                    if "::health_flags::healthy" in line:
-                        self._seen.setdefault(line.split("::")[0], time.time())
-                time.sleep(0.002)
-        threading.Thread(target=poll, daemon=True).start()
         self.kubelet = Kubelet(self.workdir, self.bridge, SUBNET4, SUBNET6,
                                {"agent_socket": os.path.join(self.run_dir, "cni.sock"),
                                 "capture_redirect_all_default": True})
@@ -150,7 +141,6 @@ class Demo:
             pod = self.kubelet.new_pod(NS, name)
             self.kubelet.add(pod)
             self.pods[name] = pod
-            self._seen["ADD " + name] = time.time()  # TEMP
             print(f"      {NS}/{name}: {pod.ip(4)} netns {pod.netns_name} captured",
                   file=sys.stderr)
 
@@ -159,29 +149,30 @@ class Demo:
         for name in ("echo-v1-0", "echo-v2-0"):
             self.servers.append(http_echo_server(self.pods[name].netns, "0.0.0.0", 8080, name))
 
-        _say(5, self.STEPS, "waiting for the mesh config (echo in the node's dependency set)")
+        _say(5, self.STEPS, "waiting for the mesh config: every backend of the route an "
+             "endpoint in Envoy, then http://echo/ routed")
+        # One answer through the route is not enough: it proves one backend of the split. The
+        # other backend's endpoint reaches Envoy in its own EDS push, after that pod's ADD;
+        # until then the split's share for it answers 503 UH (no healthy upstream).
+        self._wait(self._endpoints_in_envoy, 30, "Envoy never had every backend's endpoint")
         self._wait(self._echo_routed, 30, "Envoy never routed http://echo/")
-        self._seen["probe ok"] = time.time()  # TEMP
-        time.sleep(0.3)
-        self._stop_diag.set()
-        t0 = self._seen["probe ok"]
-        print("DIAG " + " ".join(f"{k}={1000*(v-t0):+.0f}ms" for k, v in
-                                 sorted(self._seen.items(), key=lambda kv: kv[1])), file=sys.stderr)
 
         _say(6, self.STEPS, f"sending {self.requests} requests from {NS}/client to "
              f"http://echo/ ({ECHO_IP}:80) and 20 with x-version: v2")
         from agent.testing.netutil import http_get_from
         client = self.pods["client"].netns
         before = self._envoy_counters()
-        plain = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo"}, count=self.requests)
+        plain = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo"}, count=self.requests,
+                              request_id=f"{self.run_id}-plain")
         v2 = http_get_from(client, ECHO_IP, 80, "/", {"Host": "echo", "x-version": "v2"},
-                           count=20)
+                           count=20, request_id=f"{self.run_id}-v2")
         self._record_failures("plain", plain)
-        self._record_failures("x-version: v2", v2)
+        self._record_failures("v2", v2)
         if self.failures:
             after = self._envoy_counters()
             self.counter_delta = {k: v - before.get(k, 0) for k, v in after.items()
                                   if v != before.get(k, 0)}
+            self._attach_access_log()
         split = Counter(h.get("x-pod", f"status {s}") for s, h, _ in plain)
         header = Counter(h.get("x-pod", f"status {s}") for s, h, _ in v2)
         stats = self._envoy_stats()
@@ -190,6 +181,16 @@ class Demo:
         subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir", self.run_dir],
                        check=False)
         return self._report(split, header, stats)
+
+    def expected_endpoints(self) -> set[str]:
+        """``<cluster>::<ip>:<port>`` of every (Service, pod) the demo's route can send to."""
+        members = {"echo": ("echo-v1-0", "echo-v2-0"), "echo-v1": ("echo-v1-0",),
+                   "echo-v2": ("echo-v2-0",)}
+        return {f"{service_cluster_name(NS, svc, 80)}::{self.pods[pod].ip(4)}:8080"
+                for svc, pods in members.items() for pod in pods}
+
+    def _endpoints_in_envoy(self) -> bool:
+        return self.expected_endpoints() <= healthy_hosts(self._admin("/clusters"))
 
     def _echo_routed(self) -> bool:
         from agent.testing.netutil import http_get_from
@@ -219,45 +220,61 @@ class Demo:
             self._print_failures()
         return 0 if ok_split and ok_header and ok_envoy and not self.failures else 1
 
-    def _print_failures(self) -> None:
-        print(f"{len(self.failures)} failed requests:")
-        for f in self.failures:
-            print(f"  [{f['batch']} #{f['index']}] status {f['status']} {f['headers']} "
-                  f"body={f['body']!r}")
-        print("Envoy counters that moved during the requests:")
-        for name, n in sorted(self.counter_delta.items()):
-            if any(w in name for w in ("fail", "reset", "timeout", "5xx", "503", "no_healthy",
-                                       "overflow", "destroy", "error", "retry", "no_route",
-                                       "no_cluster", "cx_total", "rq_total")):
+    def _print_failures(self, show: int = 5) -> None:
+        """Failed requests grouped by Envoy's account of them (response flags, details,
+        cluster from the failure access log, matched by x-request-id), then the first log
+        lines in full."""
+        print(f"FAIL: {len(self.failures)} requests failed; Envoy's response flags:")
+        groups = Counter((f["status"], f.get("flags", "?"), f.get("details", "?"),
+                          f.get("cluster", "?"), f["body"][:60]) for f in self.failures)
+        for (status, flags, details, cluster, body), n in groups.most_common():
+            print(f"  {n:>4} x status {status} flags={flags} details={details} "
+                  f"cluster={cluster} body={body!r}")
+        for f in self.failures[:show]:
+            line = f.get("log") or (f"no answer: {f['headers'].get('error', '')}"
+                                    if not f["status"] else "no Envoy failure log line")
+            print(f"  {f['request_id']}: {line}")
+        if len(self.failures) > show:
+            print(f"  ... {len(self.failures) - show} more (agent.log: '{HTTP_FAILURE_LOG_TAG}')")
+        moved = {k: n for k, n in self.counter_delta.items() if _is_failure_counter(k)}
+        if moved:
+            print("Envoy failure counters that moved during the requests:")
+            for name, n in sorted(moved.items()):
                 print(f"  {name:<60} +{n}")
 
     # -- failures ----------------------------------------------------------------------------
     def _record_failures(self, batch: str, answers: list[tuple[int, dict[str, str], bytes]]
                          ) -> None:
-        """Keep every answer that is not a backend's 200, with what Envoy said about it."""
+        """Keep every answer that is not a backend's 200 (the request id names it in Envoy's
+        failure log)."""
         for i, (status, headers, body) in enumerate(answers):
             if status == 200 and "x-pod" in headers:
                 continue
             self.failures.append({
-                "batch": batch, "index": i, "status": status,
-                "headers": {k: v for k, v in headers.items()
-                            if k.startswith("x-envoy") or k in ("server", "error", "x-pod")},
-                "body": body[:300].decode(errors="replace"),
+                "request_id": f"{self.run_id}-{batch}-{i}", "status": status,
+                "headers": headers, "body": body[:200].decode(errors="replace"),
             })
+
+    def _attach_access_log(self, timeout: float = 12.0) -> None:
+        """Find Envoy's failure access log line of every failed request in the agent log.
+        Envoy flushes access logs on a timer (10 s by default), hence the wait."""
+        want = {f["request_id"]: f for f in self.failures if f["status"]}
+        deadline = time.monotonic() + timeout
+        while want:
+            for fields in envoy_failure_lines(os.path.join(self.workdir, "agent.log")):
+                f = want.pop(fields.get("request_id", ""), None)
+                if f is not None:
+                    f.update(fields)
+            if not want or time.monotonic() >= deadline:
+                return
+            time.sleep(0.5)
 
     def _envoy_counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for line in self._admin("/stats").splitlines():
             name, _, value = line.partition(": ")
-            if value.strip().isdigit() and (name.startswith(("cluster.svc|", "http.", "listener."))):
+            if value.strip().isdigit() and name.startswith(("cluster.svc|", "http.")):
                 out[name] = int(value)
-        return out
-
-    def _diag_hosts(self) -> dict[str, Any]:  # TEMP
-        out: dict[str, Any] = {}
-        for line in self._admin("/clusters").splitlines():
-            if line.startswith("svc|") and ("::health_flags::" in line or "::cx_total::" in line):
-                out[line] = 1
         return out
 
     # -- helpers -----------------------------------------------------------------------------
@@ -322,6 +339,42 @@ class Demo:
             shutil.rmtree(self.workdir, ignore_errors=True)
         else:
             print(f"kept {self.workdir}", file=sys.stderr)
+
+
+def _is_failure_counter(name: str) -> bool:
+    return any(w in name for w in ("fail", "reset", "timeout", "5xx", "503", "none_healthy",
+                                   "overflow", "no_route", "no_cluster", "retry"))
+
+
+def envoy_failure_lines(agent_log: str) -> list[dict[str, str]]:
+    """The mesh's HTTP failure access log lines (``http-failure``) in an agent log (JSON or
+    text), each as its ``key=value`` fields plus ``log`` (the line itself)."""
+    out: list[dict[str, str]] = []
+    try:
+        with open(agent_log, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for raw in lines:
+        if HTTP_FAILURE_LOG_TAG not in raw:
+            continue
+        line = raw
+        if raw.startswith("{"):
+            try:
+                line = str(json.loads(raw).get("msg", raw))
+            except ValueError:
+                pass
+        fields = {k: v for k, sep, v in (w.partition("=") for w in line.split()) if sep}
+        fields["log"] = line
+        out.append(fields)
+    return out
+
+
+def healthy_hosts(clusters: str) -> set[str]:
+    """``<cluster>::<ip>:<port>`` of every host Envoy's admin ``/clusters`` (text) lists as
+    healthy: an endpoint the load balancer can pick (EDS delivered, HEALTHY)."""
+    suffix = "::health_flags::healthy"
+    return {line.removesuffix(suffix) for line in clusters.splitlines() if line.endswith(suffix)}
 
 
 def run_demo(requests: int = 200, keep: bool = False) -> int:

@@ -121,6 +121,19 @@ ACCESS_LOG_FORMAT = (
     "rx=%BYTES_RECEIVED% tx=%BYTES_SENT% dur=%DURATION%ms\n"
 )
 
+# HTTP (GAMMA HCM) chains log failed requests only: a 5xx or any response flag (UH no healthy
+# upstream, UF connect failure, UC upstream reset, NC no cluster, ...). A healthy request
+# costs nothing; a failure names its flags, details, route, cluster and x-request-id.
+HTTP_FAILURE_LOG_TAG = "http-failure"
+HTTP_FAILURE_LOG_FORMAT = (
+    f"[%START_TIME%] {HTTP_FAILURE_LOG_TAG} listener={CAPTURE_LISTENER_FORMAT} "
+    "mesh=%LISTENER_NAME% %REQ(:METHOD)% %REQ(:AUTHORITY)%%REQ(:PATH)% -> "
+    "%DOWNSTREAM_LOCAL_ADDRESS% status=%RESPONSE_CODE% flags=%RESPONSE_FLAGS% "
+    "details=%RESPONSE_CODE_DETAILS% route=%ROUTE_NAME% cluster=%UPSTREAM_CLUSTER% "
+    "upstream=%UPSTREAM_HOST% request_id=%REQ(X-REQUEST-ID)% dur=%DURATION%ms "
+    "failure=%UPSTREAM_TRANSPORT_FAILURE_REASON%\n"
+)
+
 
 def namespace_listener_name(namespace: str) -> str:
     """``mesh-<ns>``: the internal listener (and its cluster) for callers in ``namespace``."""
@@ -202,6 +215,31 @@ def _access_log() -> accesslog_pb2.AccessLog:
     log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
     log.typed_config.Pack(cfg)
     return log
+
+
+_HTTP_FAILURE_LOG: accesslog_pb2.AccessLog | None = None
+
+
+def http_failure_access_log() -> accesslog_pb2.AccessLog:
+    """Stdout access log for the GAMMA HCM that fires only for failed requests (status >= 500
+    or any response flag); built once, shared by every HTTP chain."""
+    global _HTTP_FAILURE_LOG
+    if _HTTP_FAILURE_LOG is None:
+        cfg = stream_pb2.StdoutAccessLog(
+            log_format=substitution_format_string_pb2.SubstitutionFormatString(
+                text_format_source={"inline_string": HTTP_FAILURE_LOG_FORMAT}
+            )
+        )
+        log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
+        log.typed_config.Pack(cfg)
+        five_xx = accesslog_pb2.StatusCodeFilter(comparison=accesslog_pb2.ComparisonFilter(
+            op=accesslog_pb2.ComparisonFilter.GE))
+        five_xx.comparison.value.default_value = 500
+        log.filter.or_filter.filters.add().status_code_filter.CopyFrom(five_xx)
+        # no flags listed: any response flag matches
+        log.filter.or_filter.filters.add().response_flag_filter.SetInParent()
+        _HTTP_FAILURE_LOG = log
+    return _HTTP_FAILURE_LOG
 
 
 def _grpc_access_log() -> accesslog_pb2.AccessLog:
@@ -309,7 +347,8 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     table = (gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
              else gamma.tables.get((view.key, port.port, None)))
     return service_port_chains(view, port, table, tcp_chain=_tcp_chain,
-                               cluster_name=service_cluster_name)
+                               cluster_name=service_cluster_name,
+                               access_log=(http_failure_access_log(),))
 
 
 def gamma_signature(gamma: Any, key: str) -> tuple[Any, ...]:

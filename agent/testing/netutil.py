@@ -167,16 +167,23 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
 
 def http_get_from(netns: str, host: str, port: int, path: str = "/",
                   headers: dict[str, str] | None = None, count: int = 1,
-                  timeout: float = 5.0) -> list[tuple[int, dict[str, str], bytes]]:
-    """`count` GETs from inside netns (new connection each): (status, headers, body)."""
+                  timeout: float = 5.0, request_id: str | None = None
+                  ) -> list[tuple[int, dict[str, str], bytes]]:
+    """`count` GETs from inside netns (new connection each): (status, headers, body).
+
+    With ``request_id``, request i carries ``x-request-id: <request_id>-<i>``: Envoy keeps
+    it, so an access log line (e.g. the mesh's failure log) names the request it is about."""
     import http.client
 
     def work() -> list[tuple[int, dict[str, str], bytes]]:
         out = []
-        for _ in range(count):
+        for i in range(count):
             conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            sent = dict(headers or {})
+            if request_id is not None:
+                sent["x-request-id"] = f"{request_id}-{i}"
             try:
-                conn.request("GET", path, headers=headers or {})
+                conn.request("GET", path, headers=sent)
                 r = conn.getresponse()
                 out.append((r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()))
             except OSError as e:
