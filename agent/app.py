@@ -120,6 +120,7 @@ class Agent:
             start()
         self._check_envoy_sees_pins()
         self.reconcile()
+        self._drop_leftover_release_tables()
         if self.options.mesh:
             self._start_mesh()
         self.cni_server.start()
@@ -387,6 +388,7 @@ class Agent:
             log.info("[%d/%d] %s %s", i, len(records), rec.key, "released" if ok else "FAILED")
         for seen in self.store.all_seen():
             self.store.remove_seen(seen.container_id)
+        self.handler.finish_releases(wait=True)  # Envoy closed their connections: tables go
         failed += [r.key for r in self.store.all()]  # a release that could not drop its table
         return {"released": released, "failed": failed}
 
@@ -421,6 +423,20 @@ class Agent:
             except Exception as e:  # noqa: BLE001
                 self._note(f"{pod.key}: listener not restored: {e}")
         log.info("reconciled %d captured pods", len(self.store.all()))
+
+    def _drop_leftover_release_tables(self) -> None:
+        """A pod released live keeps an empty table for a few seconds; an agent that died in
+        them left it behind. An uncaptured pod never holds one: drop it."""
+        from agent.netns.enter import netns_identity
+        for seen in self.store.all_seen():
+            try:
+                if list(netns_identity(seen.kubelet_netns)) != list(seen.netns_id):
+                    continue
+                if nft.list_table_text(seen.kubelet_netns) is not None:
+                    nft.delete_table(seen.kubelet_netns)
+                    self._note(f"{seen.key}: dropped the table left from its release")
+            except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+                self._note(f"{seen.key}: checking for a table left from its release: {e}")
 
     def _pod_gone(self, pod: CapturedPod) -> str:
         """Why the pod's sandbox is gone ('' if it lives). A pin keeps its netns alive, so a

@@ -129,10 +129,10 @@ def run(
     agent.stop()
 
 
-def _ask(run_dir: str, request: dict[str, Any]) -> dict[str, Any]:
+def _ask(run_dir: str, request: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
     from agent.cni import protocol as p
     path = os.path.join(run_dir, "status.sock")
-    answer = p.call(path, request, 10.0)
+    answer = p.call(path, request, timeout)
     if not answer.get("ok"):
         raise LookupError(str(answer.get("msg")))
     return answer
@@ -201,7 +201,7 @@ def uninstall(
                      "fail ADD until it is removed")
     report = Report()
     try:
-        answer = _ask(run_dir, {"command": "uninstall"})
+        answer = _ask(run_dir, {"command": "uninstall"}, timeout)
     except (OSError, ValueError, LookupError) as e:
         progress(f"no agent answers at {run_dir}/status.sock ({e}): releasing from its records")
         report = release_offline(run_dir, progress)

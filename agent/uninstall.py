@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from agent.capture.rules import render_releasing
 from agent.netns import nft
 from agent.netns.enter import NetnsError, NetnsGone, host_netns_identities, netns_identity
 from agent.netns.pin import netns_state, unpin
@@ -79,6 +80,16 @@ def release_offline(run_dir: str, progress: Callable[[str], None]) -> Report:
     store.load()
     recover_interrupted_adds(store, os.path.join(run_dir, "netns"), report.notes.append)
     pods = store.all()
+    # An Envoy the dead agent left may still carry connections: stop redirecting new ones
+    # but keep NAT for the open ones until Envoy's exit has closed them.
+    for pod in pods:
+        try:
+            nft.apply_ruleset(pod.netns, render_releasing())
+        except (NetnsError, nft.NftError, OSError, TimeoutError):
+            pass  # released below all the same
+    report.envoy_stopped = stop_envoy(run_dir, progress)
+    if pods:
+        time.sleep(1.0)  # the FIN/RST of Envoy's exit reach the pods through the NAT
     for i, pod in enumerate(sorted(pods, key=lambda p: p.key), 1):
         problem = release_record(pod)
         if problem:
@@ -90,7 +101,6 @@ def release_offline(run_dir: str, progress: Callable[[str], None]) -> Report:
         progress(f"[{i}/{len(pods)}] {pod.key}: released")
     for seen in store.all_seen():
         store.remove_seen(seen.container_id)
-    report.envoy_stopped = stop_envoy(run_dir, progress)
     return report
 
 

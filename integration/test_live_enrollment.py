@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from agent.cni.handler import RELEASE_GRACE_S
 from agent.netns import nft
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
@@ -55,8 +56,15 @@ def _captured(enode: EnvoyNode, pod: Pod) -> bool:
 
 
 def _released(enode: EnvoyNode, pod: Pod) -> bool:
+    """Nothing redirects the pod's connections any more (its table is gone, or is the empty
+    one a release keeps for a few seconds so proxied connections can close cleanly)."""
     keys = {p["pod"] for p in enode.agent.status()["pods"]}
-    return f"{pod.namespace}/{pod.name}" not in keys and nft.list_table_text(pod.netns) is None
+    table = nft.list_table_text(pod.netns)
+    return f"{pod.namespace}/{pod.name}" not in keys and (table is None or "redirect" not in table)
+
+
+def _table_gone(pod: Pod) -> bool:
+    return nft.list_table_text(pod.netns) is None
 
 
 @contextmanager
@@ -96,6 +104,7 @@ def test_a_running_pod_is_captured_and_released_as_its_namespace_label_changes(
         with _frozen(enode):  # released: reaches its destination with the proxy frozen
             assert dial(pod.netns, GW4, port) == "direct"
         assert f"capture-{pod.container_id}" not in enode.listeners()
+        _within(RELEASE_GRACE_S + 2, "the emptied table dropped", lambda: _table_gone(pod))
 
         _namespaces(enode, plain_managed=True)  # and back again: remembered when released
         _within(5, "captured again", lambda: _captured(enode, pod))
@@ -206,3 +215,51 @@ def test_a_pod_older_than_aether_is_found_by_its_ip_and_released_by_its_del(
     enode.kubelet.delete(pod, remove_netns=False)
     assert enode.agent.status()["pods"] == []
     assert nft.list_table_text(pod.netns) is None
+
+
+def test_connections_open_through_the_proxy_at_release_are_closed_and_the_next_goes_direct(
+        enode: EnvoyNode) -> None:
+    """At release the table goes first (new connections go direct at once), then the pod's
+    listener: Envoy closes the connections it was carrying for it (their NAT binding points
+    at a listener that is gone), so clients see them end and reconnect directly."""
+    pod = enode.pod("plain")
+    enode.add(pod)
+    _namespaces(enode, plain_managed=True)
+    _within(5, "captured", lambda: _captured(enode, pod))
+    echo = socket.create_server(("0.0.0.0", 0))
+    echo.settimeout(5)
+    port = echo.getsockname()[1]
+
+    def connect() -> socket.socket:
+        s = socket.socket()
+        s.settimeout(3)
+        s.connect((GW4, port))
+        return s
+
+    before = carried(enode, pod)
+    client = run_in_netns(pod.netns, connect)
+    server_side, _ = echo.accept()
+    server_side.settimeout(10)
+    conns = [client, server_side]
+    try:
+        assert carried(enode, pod) == before + 1  # through the proxy
+        _namespaces(enode, plain_managed=False)
+        changed_at = time.monotonic()
+        assert server_side.recv(64) == b""  # Envoy closed its upstream side
+        client.settimeout(10)
+        try:
+            assert client.recv(64) == b""  # and its downstream side
+        except ConnectionResetError:
+            pass
+        ended_after = time.monotonic() - changed_at
+        assert ended_after < 5, ended_after
+        _within(5, "released", lambda: _released(enode, pod))
+        _within(RELEASE_GRACE_S + 2, "the emptied table dropped", lambda: _table_gone(pod))
+        with _frozen(enode):  # the next connection goes direct
+            conns.append(run_in_netns(pod.netns, connect))
+            conns.append(echo.accept()[0])
+        print(f"proxied connection ended {ended_after:.2f} s after the label went away")
+    finally:
+        for c in conns:
+            c.close()
+        echo.close()

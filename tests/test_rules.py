@@ -85,3 +85,14 @@ def test_fingerprint_ignores_handles() -> None:
     b = {"nftables": [{"metainfo": {"version": "2"}}, {"table": {"name": "aether", "handle": 9}}]}
     assert normalize_listing(a) == [{"table": {"name": "aether"}}]
     assert fingerprint(a) == fingerprint(b)
+
+
+def test_the_releasing_table_redirects_nothing_but_keeps_conntrack_in_use() -> None:
+    """A released pod's interim table: no redirect, yet a conntrack user (without one the
+    kernel unhooks conntrack and open proxied connections lose their NAT)."""
+    from agent.capture.rules import render_releasing
+    text = render_releasing()
+    assert "redirect" not in text
+    assert "type nat hook output" in text
+    assert "ct state" in text
+    assert text.startswith("table inet aether\ndelete table inet aether\n")  # one transaction

@@ -102,6 +102,30 @@ def render_ruleset(policy: CapturePolicy) -> str:
     )
 
 
+RELEASING_COMMENT = "aether releasing"
+
+
+def render_releasing() -> str:
+    """The table a released pod keeps for a few seconds: a nat chain that redirects nothing.
+    New connections go direct; connections open through the proxy keep their NAT translation
+    until the proxy has closed them. That needs the chain (the NAT hooks) *and* a rule that
+    uses conntrack: the kernel unhooks conntrack from a netns when its last user (our
+    redirect) goes, and a connection whose packets are no longer tracked is no longer
+    translated — Envoy's FIN would never reach the pod. One transaction, like
+    render_ruleset."""
+    return (
+        f"table {TABLE_FAMILY} {TABLE_NAME}\n"
+        f"delete table {TABLE_FAMILY} {TABLE_NAME}\n"
+        f"table {TABLE_FAMILY} {TABLE_NAME} {{\n"
+        f'\tcomment "{RELEASING_COMMENT}: new connections direct, proxied ones closing"\n'
+        f"\tchain {CHAIN_NAME} {{\n"
+        "\t\ttype nat hook output priority -100; policy accept;\n"
+        '\t\tct state new accept comment "keeps conntrack (and NAT) for open connections"\n'
+        "\t}\n"
+        "}\n"
+    )
+
+
 def render_delete() -> str:
     return f"delete table {TABLE_FAMILY} {TABLE_NAME}\n"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from agent.capture.policy import CaptureDecision, decide, parse_bool
-from agent.capture.rules import render_ruleset
+from agent.capture.rules import render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
 from agent.config import NodeConfig
@@ -43,6 +43,10 @@ from agent.state import AddIntent, CapturedPod, SeenPod, StateStore
 log = logging.getLogger("aether.cni")
 
 REASON_INVALID_ANNOTATION = "CaptureAnnotationInvalid"
+# How long a released pod keeps its empty nat table: Envoy closes the connections of a removed
+# listener within its drain time (2 s), and their FIN/RST need the NAT translation to reach
+# the pod.
+RELEASE_GRACE_S = 4.0
 _CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}\Z")  # \Z: no trailing newline
 
 
@@ -122,6 +126,11 @@ class CniHandler:
         # one namespace see each other before either has a record
         self._netns_claims: dict[NetnsId, str] = {}
         self.uninstalling = False  # set by uninstall: ADDs no longer capture
+        # released pods whose empty table (and pin) go once the proxy closed their
+        # connections: container id → (due, netns path, pinned)
+        self._releasing: dict[str, tuple[float, str, bool]] = {}
+        self._releasing_guard = threading.Lock()
+        self._finisher: threading.Thread | None = None
         # the netconf's capture_redirect_all_default as the last ADD carried it: what a pod
         # found by its IP (no ADD of its own) is decided with
         self.last_redirect_all_default: bool | None = None
@@ -579,8 +588,11 @@ class CniHandler:
             return captured
 
     def release(self, container_id: str, why: str, remember: bool = True) -> bool:
-        """Release a captured, running pod (no longer to be captured): table first, so new
-        connections go direct at once, then the listener; remembered for re-enrollment."""
+        """Release a captured, running pod (no longer to be captured). Its table becomes an
+        empty nat chain first, so new connections go direct at once while the ones open
+        through the proxy keep their NAT translation; then the listener goes (Envoy closes
+        those connections, and their close reaches the pod); `RELEASE_GRACE_S` later the table
+        and the pin go (`finish_releases`). Remembered for re-enrollment."""
         with self._pod_lock(container_id):
             record = self.store.get(container_id)
             if record is None:
@@ -589,12 +601,23 @@ class CniHandler:
                 ident: list[int] = list(netns_identity(record.netns))
             except OSError:
                 ident = []
-            self._drop_table(record.netns)
+            try:
+                nft.apply_ruleset(record.netns, render_releasing())
+                pending = True
+            except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+                log.warning("releasing %s: %s; dropping its table at once", record.key, e)
+                self._drop_table(record.netns)
+                pending = False
             try:
                 self.sink.remove_pod(record)
-            except Exception as e:  # noqa: BLE001 - the table is gone: traffic flows already
+            except Exception as e:  # noqa: BLE001 - no redirect any more: traffic flows
                 log.error("releasing %s: listener removal failed: %s", record.key, e)
-            if record.pinned:
+            if pending:
+                with self._releasing_guard:
+                    self._releasing[container_id] = (
+                        time.monotonic() + RELEASE_GRACE_S, record.netns, record.pinned)
+                self._start_finisher()
+            elif record.pinned:
                 try:
                     unpin(record.netns)
                 except OSError as e:
@@ -617,10 +640,60 @@ class CniHandler:
                 except Exception:
                     log.exception("unregistering %s from the mesh model failed", record.key)
             self.counters.released += 1
-            log.info("%s released live (%s): its traffic flows directly; connections open "
-                     "through the proxy end when its listener drains", record.key, why,
+            log.info("%s released (%s): new connections flow directly; the ones open "
+                     "through the proxy are closed when its listener has drained", record.key, why,
                      extra={"pod": record.name, "namespace": record.namespace})
             return True
+
+    def _start_finisher(self) -> None:
+        with self._releasing_guard:
+            if self._finisher is None or not self._finisher.is_alive():
+                self._finisher = threading.Thread(target=self._finish_loop, name="release-finish",
+                                                  daemon=True)
+                self._finisher.start()
+
+    def _finish_loop(self) -> None:
+        while True:
+            with self._releasing_guard:
+                if not self._releasing:
+                    self._finisher = None
+                    return
+                due = min(d for d, _, _ in self._releasing.values())
+            time.sleep(max(0.0, min(0.5, due - time.monotonic())))
+            self.finish_releases(wait=False)
+
+    def finish_releases(self, wait: bool) -> None:
+        """Drop the releasing tables (and pins) whose grace is over; with ``wait``, all of
+        them, after waiting out their grace (uninstall, before the agent exits)."""
+        with self._releasing_guard:
+            entries = dict(self._releasing)
+        for cid, (due, netns, pinned) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+            now = time.monotonic()
+            if due > now:
+                if not wait:
+                    continue
+                time.sleep(due - now)
+            with self._pod_lock(cid):
+                with self._releasing_guard:
+                    if self._releasing.get(cid, (None,))[0] != due:
+                        continue  # finished already, or released again since
+                    del self._releasing[cid]
+                if self.store.get(cid) is not None:
+                    continue  # captured again meanwhile: its table and pin are in use
+                try:
+                    self._drop_table(netns)
+                except CniFailure as e:
+                    log.error("dropping the releasing table in %s: %s (%s)", netns, e.msg,
+                              e.details)
+                if pinned and os.path.lexists(netns):
+                    try:
+                        unpin(netns)
+                    except OSError as e:
+                        log.error("unpinning %s after its release: %s", netns, e)
+
+    def releases_pending(self) -> int:
+        with self._releasing_guard:
+            return len(self._releasing)
 
     def reapply(self, container_id: str, policy: Any, reason: str) -> bool:
         """A captured pod's exclusions changed: re-program its table in place (one atomic
