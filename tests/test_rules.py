@@ -96,3 +96,14 @@ def test_the_releasing_table_redirects_nothing_but_keeps_conntrack_in_use() -> N
     assert "type nat hook output" in text
     assert "ct state" in text
     assert text.startswith("table inet aether\ndelete table inet aether\n")  # one transaction
+
+
+def test_a_first_add_creates_the_table_plainly() -> None:
+    """No delete of a hooked table inside the first ADD's transaction (that costs the kernel
+    ~10 ms); `create` fails where a table exists, and the replace form applies then."""
+    from agent.capture.rules import render_create, render_table
+    d = decide(PodMeta("app", "p"), NS, NodeConfig(node_name="n"), True)
+    assert d.policy is not None
+    text = render_create(d.policy)
+    assert text == "create table inet aether\n" + render_table(d.policy)
+    assert "delete table" not in text

@@ -80,6 +80,13 @@ def render_rules(policy: CapturePolicy) -> list[str]:
     return rules
 
 
+def render_create(policy: CapturePolicy) -> str:
+    """The first ADD into a netns: create the table plainly (fails if one exists, then the
+    replace form of render_ruleset applies). Deleting a hooked table inside the replace
+    transaction costs the kernel ~10 ms that a fresh netns never needs."""
+    return f"create table {TABLE_FAMILY} {TABLE_NAME}\n" + render_table(policy)
+
+
 def render_table(policy: CapturePolicy) -> str:
     """The full table definition (no replace preamble)."""
     body = "\n".join(f"\t\t{r}" for r in render_rules(policy))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from agent.capture.policy import CaptureDecision, decide, parse_bool
-from agent.capture.rules import render_releasing, render_ruleset
+from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
 from agent.config import NodeConfig
@@ -415,7 +415,8 @@ class CniHandler:
             pinned = True
         _fault("crash-after-pin")
         try:
-            fp = nft.apply_ruleset(netns, render_ruleset(decision.policy))
+            fp = nft.apply_ruleset(netns, render_ruleset(decision.policy),
+                                   first=render_create(decision.policy))
         except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
             self._release_pin(netns, pinned)
             self.store.end_add(cid)

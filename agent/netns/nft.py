@@ -63,11 +63,21 @@ def _list_json() -> dict[str, Any] | None:
     return data
 
 
-def apply_ruleset(netns: str, script: str) -> str:
-    """Apply atomically and return the fingerprint of what the kernel now holds."""
+def apply_ruleset(netns: str, script: str, first: str | None = None) -> str:
+    """Apply atomically and return the fingerprint of what the kernel now holds. ``first``:
+    a cheaper transaction to try before ``script`` (a plain `create table`, which fails when
+    the table exists; then ``script``, the replace form, applies)."""
 
     def work() -> str:
-        _run(script)
+        if first is None:
+            _run(script)
+        else:
+            try:
+                _run(first)
+            except NftError as e:
+                if "File exists" not in str(e):
+                    raise
+                _run(script)
         listing = _list_json()
         if listing is None:
             raise NftError("table missing right after it was programmed")
