@@ -154,6 +154,26 @@ def blackhole_cluster_ips() -> Iterator[None]:
                        check=False)
 
 
+def _pod_netns() -> set[str]:
+    try:
+        return {n for n in os.listdir("/var/run/netns") if n.startswith("aet-")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_pod_netns() -> Iterator[None]:
+    """Every test removes the pod sandboxes it made: a leaked one holds an address a later
+    test's pod may get too (each test's IPAM starts over), which is no pod's real state.
+    Autouse, so it is set up before (and torn down after) the node fixtures."""
+    before = _pod_netns()
+    yield
+    leaked = sorted(_pod_netns() - before)
+    for name in leaked:
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    assert not leaked, f"the test left pod network namespaces behind: {leaked}"
+
+
 @pytest.fixture(scope="session")
 def bridge_name() -> Iterator[str]:
     name = f"aetbr{uuid.uuid4().hex[:6]}"

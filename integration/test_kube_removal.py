@@ -13,7 +13,12 @@ from agent.netns import nft
 from agent.testing.apiserver import FakeApiServer
 from agent.testing.kubelet import Kubelet
 from integration.conftest import SUBNET4, SUBNET6
-from integration.test_kube_agent import KubeAgent, api, new_pod  # noqa: F401 - fixture
+from integration.test_kube_agent import (  # noqa: F401 - fixtures
+    KubeAgent,
+    _cleanup_pods,
+    api,
+    new_pod,
+)
 
 pytestmark = [pytest.mark.integration]
 
