@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -65,6 +66,7 @@ def plan(records: list[CapturedPod], seen: list[SeenPod], lookup: Lookup,
 
 
 DISCOVERED_PREFIX = "discovered-"
+RESCAN_S = 10.0  # pods still not found by IP are looked for again at most this often
 
 
 def to_discover(pods: list[PodMeta], namespaces: dict[str, NamespaceMeta],
@@ -106,11 +108,16 @@ class EnrollmentLoop:
         self.last_steps: list[Step] = []
         self._dirty = threading.Event()
         self._stop = threading.Event()
+        # this node's Pods as the source holds them (kept from the events, so a pass never
+        # scans a cluster's worth of objects): what discovery by IP looks at
+        self._local: dict[tuple[str, str], dict[str, Any]] = {}
+        self._local_lock = threading.Lock()
+        self._last_scan: tuple[frozenset[str], float] = (frozenset(), 0.0)
         self._unsubscribe: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="enroll", daemon=True)
 
     def start(self) -> None:
-        self._unsubscribe = self.objects.on_event(self._on_event, replay=False)
+        self._unsubscribe = self.objects.on_event(self._on_event, replay=True)
         self._dirty.set()  # one pass at start: changes made while the agent was down
         self._thread.start()
 
@@ -122,6 +129,16 @@ class EnrollmentLoop:
         self._thread.join(timeout=5)
 
     def _on_event(self, event: WatchEvent) -> None:
+        if event.kind == "Pod":
+            meta = event.obj.get("metadata") or {}
+            spec = event.obj.get("spec") or {}
+            key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+            with self._local_lock:
+                if event.type != "DELETED" and isinstance(spec, dict) \
+                        and spec.get("nodeName") == self.node.node_name:
+                    self._local[key] = event.obj
+                else:
+                    self._local.pop(key, None)
         if event.kind in ("Pod", "Namespace"):
             self._dirty.set()
 
@@ -170,16 +187,25 @@ class EnrollmentLoop:
         under a synthetic container id (their kubelet DEL is matched by netns)."""
         from agent.netns.discover import find_by_ips
         store = self.handler.store
-        pods = [pod_from_object(o) for o in self.objects.of_kind("Pod")
-                if isinstance(o.get("spec"), dict) and o["spec"].get("nodeName") == self.node.node_name]
-        namespaces = {n.name: n for n in
-                      (namespace_from_object(o) for o in self.objects.of_kind("Namespace"))}
+        with self._local_lock:
+            local = list(self._local.values())
+        pods = [pod_from_object(o) for o in local]
+        namespaces: dict[str, NamespaceMeta] = {}
+        for name in {p.namespace for p in pods}:
+            obj = self.objects.get("Namespace", "", name)
+            if obj is not None:
+                namespaces[name] = namespace_from_object(obj)
         last = getattr(self.handler, "last_redirect_all_default", None)
         default = self.redirect_all_default if last is None else bool(last)
         todo = to_discover(pods, namespaces, store.all(), store.all_seen(), self.node, default)
         if not todo:
             self.not_found = {}
             return
+        wanted = frozenset(p.uid for p in todo)
+        now = time.monotonic()
+        if wanted == self._last_scan[0] and now - self._last_scan[1] < RESCAN_S:
+            return  # the same pods were just looked for: not every pass rescans the node
+        self._last_scan = (wanted, now)
         found = find_by_ips({ip: p.uid for p in todo for ip in p.ips})
         self.not_found = {p.uid: p.key for p in todo if p.uid not in found}
         for pod in todo:

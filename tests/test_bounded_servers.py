@@ -33,9 +33,14 @@ def _connect(path: str) -> socket.socket:
 
 
 def _ask(path: str, payload: bytes) -> bytes:
+    """As both shims do: a busy server may answer and close before the request is written
+    (EPIPE); its answer is still there to read."""
     with _connect(path) as s:
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
         return s.recv(1 << 16)
 
 

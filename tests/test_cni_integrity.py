@@ -53,7 +53,7 @@ class FakeKernel:
         self.tables: dict[tuple[int, int], str] = {}
         self.applies = 0
 
-    def apply_ruleset(self, netns: str, script: str) -> str:
+    def apply_ruleset(self, netns: str, script: str, first: str | None = None) -> str:
         self.applies += 1
         self.tables[netns_identity(netns)] = script
         return f"fp-{hash(script) & 0xffff}"

@@ -62,7 +62,7 @@ class World:
         return "netns" if ident in live else "stale"
 
     # nft
-    def apply_ruleset(self, netns: str, script: str) -> str:
+    def apply_ruleset(self, netns: str, script: str, first: str | None = None) -> str:
         self._enterable(netns)
         self.tables[netns_identity(netns)] = script
         return "fp"
@@ -215,7 +215,7 @@ def test_add_removes_its_intent_on_success_and_on_failure(
     assert h.handle(req(netns=world.proc("pod1")))["ok"]
     assert files(tmp_path) == {"pods": ["c1.json"], "netns": ["c1"]}
 
-    def broken(netns: str, script: str) -> str:
+    def broken(netns: str, script: str, first: str | None = None) -> str:
         raise nft.NftError("boom")
 
     monkeypatch.setattr(nft, "apply_ruleset", broken)
