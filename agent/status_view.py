@@ -51,6 +51,12 @@ def render(st: dict[str, Any]) -> str:
             + (f" (last: {', '.join(last.get('what') or [])})" if last else ""))
     c = st.get("counters", {})
     lines.append("  requests: " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    live = st.get("live_enrollment") or {}
+    if live.get("enabled"):
+        lines.append(f"  live enrollment: on · {live.get('watched_uncaptured', 0)} uncaptured "
+                     f"pods watched · {live.get('discovered', 0)} found by IP")
+        for key in live.get("not_found") or []:
+            lines.append(f"  TO CAPTURE, NETNS NOT FOUND BY IP: {key}")
     busy = st.get("refused_busy") or {}
     if any(busy.values()):
         lines.append("  refused as busy (connection cap): "

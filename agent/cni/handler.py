@@ -531,29 +531,10 @@ class CniHandler:
                          seen.kubelet_netns)
                 self.store.remove_seen(container_id)
                 return False
-            req = {"command": "ADD", "container_id": container_id, "netns": seen.kubelet_netns,
-                   "ifname": seen.ifname, "ips": list(seen.ips),
-                   "netconf": {"capture_redirect_all_default": seen.redirect_all_default},
-                   "args": {"K8S_POD_NAMESPACE": seen.namespace, "K8S_POD_NAME": seen.name,
-                            "K8S_POD_UID": seen.uid}}
-            try:
-                captured = self._add(req)
-            except CniFailure as e:
-                self.counters.add_failed += 1
-                log.error("live enrollment of %s failed: %s (%s); it stays uncaptured and is "
-                          "tried again", seen.key, e.msg, e.details,
-                          extra={"pod": seen.name, "namespace": seen.namespace})
-                return False
-            if captured:
-                record = self.store.get(container_id)
-                if record is not None:
-                    record.enrolled_live = True
-                    self.store.put(record)
-                self.counters.enrolled += 1
-                log.info("%s enrolled live: captured while running (new connections go "
-                         "through the proxy; open ones finish directly)", seen.key,
-                         extra={"pod": seen.name, "namespace": seen.namespace})
-            return captured
+            return self._enroll_live(
+                container_id, seen.kubelet_netns, seen.ifname, list(seen.ips),
+                seen.redirect_all_default, seen.namespace, seen.name, seen.uid,
+                "captured while running")
 
     def enroll_discovered(self, pod: PodMeta, netns: str, container_id: str,
                           redirect_all_default: bool) -> bool:
@@ -564,29 +545,39 @@ class CniHandler:
         with self._pod_lock(container_id):
             if self.store.get(container_id) is not None:
                 return False
-            req = {"command": "ADD", "container_id": container_id, "netns": netns,
-                   "ifname": "eth0", "ips": list(pod.ips),
-                   "netconf": {"capture_redirect_all_default": redirect_all_default},
-                   "args": {"K8S_POD_NAMESPACE": pod.namespace, "K8S_POD_NAME": pod.name,
-                            "K8S_POD_UID": pod.uid}}
-            try:
-                captured = self._add(req)
-            except CniFailure as e:
-                self.counters.add_failed += 1
-                log.error("enrolling %s (found by its IP in %s) failed: %s (%s)", pod.key,
-                          netns, e.msg, e.details,
-                          extra={"pod": pod.name, "namespace": pod.namespace})
-                return False
+            captured = self._enroll_live(
+                container_id, netns, "eth0", list(pod.ips), redirect_all_default,
+                pod.namespace, pod.name, pod.uid, f"found by its IP in {netns}, it started "
+                "before aether")
             self.store.remove_seen(container_id)  # never remember a synthetic id
-            if captured:
-                record = self.store.get(container_id)
-                if record is not None:
-                    record.enrolled_live = True
-                    self.store.put(record)
-                self.counters.enrolled += 1
-                log.info("%s enrolled live: found by its IP in %s (it started before aether)",
-                         pod.key, netns, extra={"pod": pod.name, "namespace": pod.namespace})
             return captured
+
+    def _enroll_live(self, container_id: str, netns: str, ifname: str, ips: list[str],
+                     redirect_all_default: bool, namespace: str, name: str, uid: str,
+                     how: str) -> bool:
+        """ADD's own path for a running pod (the caller holds its lock)."""
+        req = {"command": "ADD", "container_id": container_id, "netns": netns,
+               "ifname": ifname, "ips": ips,
+               "netconf": {"capture_redirect_all_default": redirect_all_default},
+               "args": {"K8S_POD_NAMESPACE": namespace, "K8S_POD_NAME": name,
+                        "K8S_POD_UID": uid}}
+        fields = {"pod": name, "namespace": namespace}
+        try:
+            captured = self._add(req)
+        except CniFailure as e:
+            self.counters.add_failed += 1
+            log.error("live enrollment of %s/%s (%s) failed: %s (%s); it stays uncaptured and "
+                      "is tried again", namespace, name, how, e.msg, e.details, extra=fields)
+            return False
+        if captured:
+            record = self.store.get(container_id)
+            if record is not None:
+                record.enrolled_live = True
+                self.store.put(record)
+            self.counters.enrolled += 1
+            log.info("%s/%s enrolled live (%s): new connections go through the proxy, open "
+                     "ones finish directly", namespace, name, how, extra=fields)
+        return captured
 
     def release(self, container_id: str, why: str, remember: bool = True) -> bool:
         """Release a captured, running pod (no longer to be captured). Its table becomes an
