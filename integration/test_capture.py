@@ -206,6 +206,7 @@ def test_malformed_annotations_apply_what_parsed_and_report_the_rest(node: Node)
     assert "tcp dport 5432 return" in table
     assert "ip daddr 10.9.0.0/16 return" in table
     assert "redirect to :15001" in table
+    assert 'comment "aether capture redirect-all policy ' in table  # a first ADD keeps it too
     st = node.agent.status()
     warned = " ".join(w["message"] for w in st["warnings"])
     for bad in ("'http'", "'70000'", "'not-a-cidr'", "'maybe'"):

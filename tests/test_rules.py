@@ -105,5 +105,7 @@ def test_a_first_add_creates_the_table_plainly() -> None:
     d = decide(PodMeta("app", "p"), NS, NodeConfig(node_name="n"), True)
     assert d.policy is not None
     text = render_create(d.policy)
-    assert text == "create table inet aether\n" + render_table(d.policy)
+    first, rest = text.split("\n", 1)
+    assert first.startswith('create table inet aether { comment "aether capture redirect-all')
+    assert rest == render_table(d.policy)  # the comment rides on create, the body adds the chain
     assert "delete table" not in text

@@ -84,7 +84,14 @@ def render_create(policy: CapturePolicy) -> str:
     """The first ADD into a netns: create the table plainly (fails if one exists, then the
     replace form of render_ruleset applies). Deleting a hooked table inside the replace
     transaction costs the kernel ~10 ms that a fresh netns never needs."""
-    return f"create table {TABLE_FAMILY} {TABLE_NAME}\n" + render_table(policy)
+    # the comment goes with `create` (the body's comment cannot change a table made in the
+    # same transaction); the body then adds the chain
+    return (f"create table {TABLE_FAMILY} {TABLE_NAME} {{ comment {_comment(policy)}; }}\n"
+            + render_table(policy))
+
+
+def _comment(policy: CapturePolicy) -> str:
+    return f'"aether capture {policy.mode} policy {policy_hash(policy)}"'
 
 
 def render_table(policy: CapturePolicy) -> str:
@@ -92,7 +99,7 @@ def render_table(policy: CapturePolicy) -> str:
     body = "\n".join(f"\t\t{r}" for r in render_rules(policy))
     return (
         f"table {TABLE_FAMILY} {TABLE_NAME} {{\n"
-        f'\tcomment "aether capture {policy.mode} policy {policy_hash(policy)}"\n'
+        f"\tcomment {_comment(policy)}\n"
         f"\tchain {CHAIN_NAME} {{\n"
         "\t\ttype nat hook output priority -100; policy accept;\n"
         f"{body}\n"
