@@ -166,10 +166,21 @@ class Agent:
         return pins_visible_to(pid, self.pin_dir)
 
     def _check_envoy_sees_pins(self) -> None:
-        if self.envoy_sees_pins() is False:
-            self._note(f"Envoy (adopted) lives in another mount namespace that does not receive "
-                       f"mounts under {self.pin_dir}: ADDs with /proc/<pid>/ns/net netns paths "
-                       "fail until Envoy restarts")
+        """An Envoy adopted from a mount namespace that does not receive our pins (a systemd
+        unit's sandbox is a slave copy, made anew at each start) could never open the pins of
+        `/proc/<pid>/ns/net` paths: restart it in ours, once, before serving ADDs. Captured
+        pods' connections are refused (never bypassing) for the seconds that takes."""
+        if self.envoy_sees_pins() is not False:
+            return
+        why = (f"it lives in a mount namespace that does not receive mounts under "
+               f"{self.pin_dir}, so it could not open the pins of /proc netns paths")
+        restart = getattr(self.sink, "restart_adopted", None)
+        if callable(restart) and restart(why):
+            self._note(f"restarted the adopted Envoy: {why}")
+            return
+        self._note(f"Envoy (adopted) lives in another mount namespace that does not receive "
+                   f"mounts under {self.pin_dir}: ADDs with /proc/<pid>/ns/net netns paths "
+                   "fail until Envoy restarts")
 
     def _start_mesh(self) -> None:
         o = self.options

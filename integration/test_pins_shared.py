@@ -116,3 +116,50 @@ def test_restarted_agent_in_its_own_mount_namespace_pins_for_the_adopted_envoy(
         for s in sleepers:
             s.kill()
             s.wait()
+
+
+def test_an_adopted_envoy_that_cannot_see_our_pins_is_restarted_in_our_mount_namespace(
+        knode: EnvoyNode) -> None:
+    """The systemd case: the new agent's mount namespace is a *slave* copy (a unit's sandbox),
+    so its pins never reach the Envoy it would adopt. The agent restarts that Envoy in its
+    own namespace before serving ADDs; the pod captured before keeps its listener, and a
+    /proc-path pod is captured through the new Envoy."""
+    n = knode
+    tcp, tport = host_server()
+    sleepers: list[subprocess.Popen[bytes]] = []
+    try:
+        first = _proc_pod(n, sleepers)
+        n.kubelet.add(first, create=False)
+        envoy = n.envoy_pid()
+        n.agent.stop()  # Envoy serves on
+        assert psutil.pid_exists(envoy)
+
+        n.agent.wrapper = ["unshare", "--mount", "--propagation", "slave"]
+        n.agent.start()
+        assert n.agent.proc is not None
+        deadline = time.monotonic() + 20
+        while n.agent.status()["envoy"].get("pid") in (None, envoy):
+            assert time.monotonic() < deadline, "the unreachable Envoy was never restarted"
+            time.sleep(0.2)
+        n.wait_ready()
+        new = n.envoy_pid()
+        assert _mntns(new) == _mntns(n.agent.proc.pid)  # now in the agent's mount namespace
+        st = n.agent.status()
+        assert st["pin_dir"]["envoy_sees_pins"] is True
+        assert any("restarted the adopted Envoy" in line for line in st["reconcile"])
+        deadline = time.monotonic() + 10
+        while [(p["container_id"], p["listener"]) for p in st["pods"]] != [
+                (first.container_id, "live")]:
+            assert time.monotonic() < deadline, st["pods"]
+            time.sleep(0.2)
+            st = n.agent.status()
+
+        second = _proc_pod(n, sleepers)  # pinned in the agent's namespace, opened by its Envoy
+        n.kubelet.add(second, create=False)
+        assert dial(f"/var/run/netns/{second.netns_name}", GW4, tport) == "direct"
+        assert carried(n, second) == 1
+    finally:
+        tcp.close()
+        for s in sleepers:
+            s.kill()
+            s.wait()

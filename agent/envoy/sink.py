@@ -244,6 +244,26 @@ class EnvoySink:
                     continue
                 return
 
+    def restart_adopted(self, why: str, timeout: float = 10.0) -> bool:
+        """Stop the adopted Envoy (its keeper forwards the signal and exits with it); the
+        adoption watch then starts our own. False when no Envoy is adopted."""
+        proc = self._adopted
+        if proc is None:
+            return False
+        log.warning("restarting the adopted envoy (keeper pid=%d): %s", proc.pid, why)
+        try:
+            proc.terminate()
+            proc.wait(timeout)
+        except psutil.TimeoutExpired:
+            for p in [proc, *proc.children(recursive=True)]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        return True
+
     def wait_ready(self, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
