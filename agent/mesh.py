@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -27,6 +28,8 @@ from agent.source.events import ObjectStore
 from agent.state import CapturedPod
 
 log = logging.getLogger("aether.mesh")
+
+REGISTER_WAIT_S = 0.1  # how long an ADD/DEL may wait for the mesh model before queueing
 
 
 class ServiceSink(Protocol):
@@ -62,6 +65,11 @@ class MeshRuntime:
         self.learned_total = 0
         self._unsubscribe: Callable[[], None] | None = None
         self.projector: Any = None  # SliceProjector when EndpointSlice projection is on
+        # CNI registrations that found the model busy, applied in order by their own thread
+        self._reg_queue: deque[Callable[[], set[str]]] = deque()
+        self._reg_guard = threading.Lock()
+        self._reg_thread: threading.Thread | None = None
+        self.registrations_deferred = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, watcher: Watcher | None, sink: ServiceSink | None,
@@ -102,15 +110,50 @@ class MeshRuntime:
 
     def pod_captured(self, pod: CapturedPod, labels: dict[str, str],
                      annotations: dict[str, str]) -> None:
-        changed = self.model.register_local(pod.uid, pod.namespace, pod.name,
-                                            pod.service_account, pod.ips, labels=labels,
-                                            annotations=annotations, ready=True)
-        if changed:
-            self._changed()
+        self._register(lambda: self.model.register_local(
+            pod.uid, pod.namespace, pod.name, pod.service_account, pod.ips, labels=labels,
+            annotations=annotations, ready=True))
 
     def pod_released(self, pod: CapturedPod) -> None:
-        if self.model.unregister_local(pod.namespace, pod.name, pod.uid):
-            self._changed()
+        self._register(lambda: self.model.unregister_local(pod.namespace, pod.name, pod.uid))
+
+    def _register(self, change: Callable[[], set[str]]) -> None:
+        """ADD and DEL register here. The change runs at once when the model is free within
+        REGISTER_WAIT_S; otherwise (a namespace edit re-evaluating 50k pods holds it for a
+        second or two) it queues behind any queued before it, in order, for a thread that
+        waits as long as it takes — a pod start never waits on the model."""
+        with self._reg_guard:
+            if not self._reg_queue and self.model.try_lock(REGISTER_WAIT_S):
+                try:
+                    changed = change()
+                finally:
+                    self.model.unlock()
+                if changed:
+                    self._changed()
+                return
+            self._reg_queue.append(change)
+            self.registrations_deferred += 1
+            if self._reg_thread is None:
+                self._reg_thread = threading.Thread(target=self._drain_registrations,
+                                                    name="mesh-registration", daemon=True)
+                self._reg_thread.start()
+
+    def _drain_registrations(self) -> None:
+        while True:
+            with self._reg_guard:
+                if not self._reg_queue:
+                    self._reg_thread = None
+                    return
+                change = self._reg_queue[0]
+            try:
+                changed = change()
+            except Exception:  # registration is best effort; capture already holds
+                log.exception("a deferred mesh registration failed")
+                changed = set()
+            with self._reg_guard:
+                self._reg_queue.popleft()
+            if changed:
+                self._changed()
 
     def learned(self, dst_ip: str, dst_port: int) -> None:
         """The passthrough saw a pod dial dst: an in-mesh Service joins the set (TTL)."""
@@ -189,6 +232,9 @@ class MeshRuntime:
             "pushes": self.pushes,
             "last_push_ms": round(self.last_push_s * 1000, 2),
             "learned_total": self.learned_total,
+            # pod registrations an ADD/DEL handed off because the model was busy; queued now
+            "registrations_deferred": self.registrations_deferred,
+            "registrations_queued": len(self._reg_queue),
             "route_targets": self._route_targets(),
             "route_problems": self._route_problems(),
         }

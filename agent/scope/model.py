@@ -144,6 +144,14 @@ class MeshModel:
             )
             return self._finish(svcs | self._after_pods(pods))
 
+    def try_lock(self, timeout: float) -> bool:
+        """Hold the model (re-entrant) if it is free within `timeout`: the CNI path registers
+        a pod only when that does not mean waiting behind a big re-evaluation."""
+        return self._lock.acquire(timeout=timeout)
+
+    def unlock(self) -> None:
+        self._lock.release()
+
     def unregister_local(self, namespace: str, name: str, uid: str = "") -> set[str]:
         with self._lock:
             svcs, pods = self.registry.unregister_local(namespace, name, uid)
