@@ -13,6 +13,7 @@ import fcntl
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -110,10 +111,21 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
+# At most this many operations inside pod namespaces at once (each holds the netns fd and,
+# for nftables, a netlink socket): with the connection caps of agent/cni/server.py this bounds
+# the agent's fd count well below FD_SETSIZE (1024), where libnftables' select() would abort.
+MAX_CONCURRENT = 32
+_slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+
+
 def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
     """Call fn() with the current thread's netns set to `path`; re-raise its exception."""
     result: list[T] = []
     error: list[BaseException] = []
+    started = time.monotonic()
+    if not _slots.acquire(timeout=timeout):
+        raise TimeoutError(f"{MAX_CONCURRENT} operations in pod namespaces already running "
+                           f"for {timeout}s; not entering {path}")
 
     def worker() -> None:
         try:
@@ -132,10 +144,16 @@ def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
             result.append(fn())
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             error.append(e)
+        finally:
+            _slots.release()  # when the work ends, even after the caller gave up on it
 
     t = threading.Thread(target=worker, name=f"netns:{os.path.basename(path)}", daemon=True)
-    t.start()
-    t.join(timeout)
+    try:
+        t.start()
+    except BaseException:
+        _slots.release()
+        raise
+    t.join(max(0.0, timeout - (time.monotonic() - started)))
     if t.is_alive():
         raise TimeoutError(f"operation in netns {path} did not finish in {timeout}s")
     if error:
