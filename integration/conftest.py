@@ -161,17 +161,52 @@ def _pod_netns() -> set[str]:
         return set()
 
 
+def _test_envoys() -> dict[int, str]:
+    """Envoys (and their keepers) started for a test workdir's agent."""
+    import psutil
+    out = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if any(a.startswith(tempfile.gettempdir() + "/aether-it-") and a.endswith("bootstrap.json")
+               for a in cmd):
+            out[proc.info["pid"]] = " ".join(cmd)[:160]
+    return out
+
+
+def _running(pid: int) -> bool:
+    import psutil
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pod_netns() -> Iterator[None]:
-    """Every test removes the pod sandboxes it made: a leaked one holds an address a later
-    test's pod may get too (each test's IPAM starts over), which is no pod's real state.
-    Autouse, so it is set up before (and torn down after) the node fixtures."""
-    before = _pod_netns()
+    """Every test removes the pod sandboxes and Envoys it made: a leaked sandbox holds an
+    address a later test's pod may get too (each test's IPAM starts over), a leaked Envoy
+    keeps binding listeners. Autouse, so it is set up before (and torn down after) the node
+    fixtures."""
+    import psutil
+    before, envoys_before = _pod_netns(), _test_envoys()
     yield
     leaked = sorted(_pod_netns() - before)
     for name in leaked:
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    deadline = time.monotonic() + 5  # an Envoy told to stop may take a moment to go
+    while True:
+        stray = {pid: cmd for pid, cmd in _test_envoys().items()
+                 if pid not in envoys_before and _running(pid)}
+        if not stray or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in stray:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
     assert not leaked, f"the test left pod network namespaces behind: {leaked}"
+    assert not stray, f"the test left Envoy processes running: {list(stray.values())}"
 
 
 @pytest.fixture(scope="session")

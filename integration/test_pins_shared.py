@@ -38,6 +38,15 @@ def knode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
     if psutil.pid_exists(keeper):
         os.kill(keeper, signal.SIGTERM)
         psutil.Process(keeper).wait(10)
+    # and whichever Envoy a later agent started for this run dir (kept on its exit too)
+    bootstrap = os.path.join(n.agent.run_dir, "envoy", "bootstrap.json")
+    for proc in psutil.process_iter(["cmdline"]):
+        if bootstrap in (proc.info["cmdline"] or []):
+            try:
+                proc.terminate()
+                proc.wait(10)
+            except psutil.Error:
+                pass
 
 
 def _mntns(pid: int | str) -> int:
