@@ -183,20 +183,28 @@ def _running(pid: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def no_leaked_pod_netns() -> Iterator[None]:
-    """Every test removes the pod sandboxes and Envoys it made: a leaked sandbox holds an
-    address a later test's pod may get too (each test's IPAM starts over), a leaked Envoy
-    keeps binding listeners. Autouse, so it is set up before (and torn down after) the node
-    fixtures."""
-    import psutil
-    before, envoys_before = _pod_netns(), _test_envoys()
+    """Every test removes the pod sandboxes it made: a leaked one holds an address a later
+    test's pod may get too (each test's IPAM starts over), which is no pod's real state.
+    Autouse, so it is set up before (and torn down after) the node fixtures."""
+    before = _pod_netns()
     yield
     leaked = sorted(_pod_netns() - before)
     for name in leaked:
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    assert not leaked, f"the test left pod network namespaces behind: {leaked}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_envoys() -> Iterator[None]:
+    """The whole session stops every Envoy it started (module-scoped harnesses keep theirs
+    across tests, so this is checked once, at the end): a leaked one keeps binding."""
+    import psutil
+    before = _test_envoys()
+    yield
     deadline = time.monotonic() + 5  # an Envoy told to stop may take a moment to go
     while True:
         stray = {pid: cmd for pid, cmd in _test_envoys().items()
-                 if pid not in envoys_before and _running(pid)}
+                 if pid not in before and _running(pid)}
         if not stray or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -205,8 +213,7 @@ def no_leaked_pod_netns() -> Iterator[None]:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
-    assert not leaked, f"the test left pod network namespaces behind: {leaked}"
-    assert not stray, f"the test left Envoy processes running: {list(stray.values())}"
+    assert not stray, f"the test session left Envoy processes running: {list(stray.values())}"
 
 
 @pytest.fixture(scope="session")
