@@ -598,7 +598,12 @@ class CniHandler:
                 pending = True
             except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
                 log.warning("releasing %s: %s; dropping its table at once", record.key, e)
-                self._drop_table(record.netns)
+                try:
+                    self._drop_table(record.netns)
+                except CniFailure as gone:  # neither: it stays captured, tried again later
+                    log.error("releasing %s: cannot change its table either (%s: %s); it "
+                              "stays captured", record.key, gone.msg, gone.details)
+                    return False
                 pending = False
             try:
                 self.sink.remove_pod(record)
