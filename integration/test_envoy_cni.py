@@ -82,16 +82,33 @@ def test_http_and_tcp_pass_through_envoy(enode: EnvoyNode) -> None:
         # Envoy's upstream sockets live in the pod's netns: the servers see the pod's address
         assert set(_Hello.peers) == {pod.ip(4), pod.ip(6)}
         assert {p for p, _ in tcp.seen} == {pod.ip(4), pod.ip(6)}
-        # the access log names the pod's listener and the original destination
-        deadline = time.monotonic() + 10
-        while f"listener=capture-{pod.container_id}" not in enode.agent.logs() \
-                or f"{GW4}:{port}" not in enode.agent.logs():
-            assert time.monotonic() < deadline, "access log line never reached the agent log"
-            time.sleep(0.2)
     finally:
         for s in servers:
             s.shutdown()
         tcp.close()
+
+
+def test_access_log_flag_logs_each_passthrough_connection(workdir: str, bridge_name: str
+                                                          ) -> None:
+    """`--access-log`: one line per passthrough connection, naming the pod's listener and the
+    original destination (off by default; see the unit test of the passthrough chain)."""
+    n = EnvoyNode(workdir, bridge_name, extra=["--access-log"])
+    n.agent.start()
+    n.wait_ready()
+    tcp, tport = host_server()
+    try:
+        pod = n.pod()
+        n.add(pod)
+        assert dial(pod.netns, GW4, tport) == "direct"
+        deadline = time.monotonic() + 20  # Envoy flushes its access log file every ~10 s
+        while f"listener=capture-{pod.container_id}" not in n.agent.logs() \
+                or f"{GW4}:{tport}" not in n.agent.logs():
+            assert time.monotonic() < deadline, "access log line never reached the agent log"
+            time.sleep(0.2)
+    finally:
+        tcp.close()
+        n.cleanup()
+        n.agent.stop()
 
 
 def test_excluded_destinations_do_not_touch_envoy(enode: EnvoyNode) -> None:

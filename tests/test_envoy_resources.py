@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -90,6 +91,12 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
     tcp = tcp_proxy_pb2.TcpProxy()
     assert flt.typed_config.Unpack(tcp)
     assert (tcp.stat_prefix, tcp.cluster) == ("passthrough", "passthrough")
+    # no line per connection unless asked (`--access-log`): it costs more than the proxying
+    assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.tcp_grpc"]
+    logged = _mesh(build_resources(replace(_state(PodListener("u1", "/n/1")),
+                                           connection_log=True)))
+    tcp = tcp_proxy_pb2.TcpProxy()
+    assert logged.default_filter_chain.filters[0].typed_config.Unpack(tcp)
     assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.stdout",
                                                 "envoy.access_loggers.tcp_grpc"]
 
@@ -399,7 +406,7 @@ def test_passthrough_grpc_access_log_config() -> None:
     tcp = tcp_proxy_pb2.TcpProxy()
     assert lis.default_filter_chain.filters[0].typed_config.Unpack(tcp)
     cfg = als_pb2.TcpGrpcAccessLogConfig()
-    assert tcp.access_log[1].typed_config.Unpack(cfg)
+    assert tcp.access_log[0].typed_config.Unpack(cfg)
     cc = cfg.common_config
     assert cc.log_name == "aether-passthrough"
     assert cc.grpc_service.envoy_grpc.cluster_name == "xds"
@@ -411,4 +418,4 @@ def test_passthrough_grpc_access_log_config() -> None:
     off = NodeXdsState(pods=(PodListener("p", "/n"),), learn_access_log=False)
     tcp2 = tcp_proxy_pb2.TcpProxy()
     assert _mesh(build_resources(off)).default_filter_chain.filters[0].typed_config.Unpack(tcp2)
-    assert [a.name for a in tcp2.access_log] == ["envoy.access_loggers.stdout"]
+    assert [a.name for a in tcp2.access_log] == []

@@ -174,6 +174,9 @@ class NodeXdsState:
     services: tuple[ServiceView, ...] = ()
     # Stream passthrough connections to the agent's access log service (dependency learning).
     learn_access_log: bool = True
+    # One stdout line per passthrough connection (``--access-log``): off by default, since
+    # writing and relaying it costs more per connection than proxying it does.
+    connection_log: bool = False
     # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
     # same object while routes are unchanged, so unchanged chains are reused.
     gamma: Any = None
@@ -274,9 +277,12 @@ def _tcp_proxy_filter(stat_prefix: str, cluster: str, *logs: accesslog_pb2.Acces
     return net_filter
 
 
-def passthrough_chain(learn_access_log: bool = True) -> listener_components_pb2.FilterChain:
-    """The default chain: anything not a Service ClusterIP goes to its original destination."""
-    logs = [_access_log()] + ([_grpc_access_log()] if learn_access_log else [])
+def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
+                      ) -> listener_components_pb2.FilterChain:
+    """The default chain: anything not a Service ClusterIP goes to its original destination.
+    ``connection_log`` adds the stdout line per connection (``aether-agent run --access-log``)."""
+    logs = (([_access_log()] if connection_log else [])
+            + ([_grpc_access_log()] if learn_access_log else []))
     return listener_components_pb2.FilterChain(
         name="passthrough",
         filters=[_tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)],
@@ -562,7 +568,8 @@ class RawResource:
         return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
 
 
-def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = ()) -> bytes:
+def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = (),
+                    connection_log: bool = False) -> bytes:
     """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
     name = namespace_listener_name(namespace)
     filters = [_original_dst_filter()]
@@ -577,7 +584,7 @@ def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int
         stat_prefix=name,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
         listener_filters=filters,
-        default_filter_chain=passthrough_chain(learn_access_log),
+        default_filter_chain=passthrough_chain(learn_access_log, connection_log),
     )
     if detect:
         lis.continue_on_listener_filters_timeout = True
@@ -586,11 +593,13 @@ def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int
 
 def build_namespace_listener(namespace: str,
                              chains: Sequence[listener_components_pb2.FilterChain] = (),
-                             learn_access_log: bool = True) -> listener_pb2.Listener:
+                             learn_access_log: bool = True,
+                             connection_log: bool = False) -> listener_pb2.Listener:
     """Internal listener ``mesh-<ns>``: Service chains on the restored destination, then
     the passthrough default chain (parsed from the same bytes the builder serves)."""
     return listener_pb2.Listener.FromString(
-        _namespace_head(namespace, learn_access_log) + encode_chains(chains))
+        _namespace_head(namespace, learn_access_log, connection_log=connection_log)
+        + encode_chains(chains))
 
 
 def build_namespace_cluster(namespace: str, connect_timeout_s: float) -> cluster_pb2.Cluster:
@@ -740,7 +749,8 @@ class ResourceBuilder:
         self._services: dict[str, _ServiceEntry] = {}
         self._tables: _ServiceTables | None = None
         # caller namespace -> (chain table bytes, learn flag, listener)
-        self._ns_listeners: dict[str, tuple[bytes, tuple[bool, tuple[int, ...]], RawResource]] = {}
+        self._ns_listeners: dict[str, tuple[bytes, tuple[bool, bool, tuple[int, ...]],
+                                             RawResource]] = {}
         self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
         self._pod_listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
@@ -854,13 +864,14 @@ class ResourceBuilder:
 
     # ---- listeners -----------------------------------------------------------------------
 
-    def _namespace_listener(self, ns: str, table: bytes, learn: bool) -> RawResource:
+    def _namespace_listener(self, ns: str, table: bytes, learn: bool, conn_log: bool
+                            ) -> RawResource:
         prev = self._ns_listeners.get(ns)
-        if prev is not None and prev[0] is table and prev[1] == (learn, self._detect):
+        if prev is not None and prev[0] is table and prev[1] == (learn, conn_log, self._detect):
             return prev[2]
         lis = RawResource(listener_pb2.Listener, namespace_listener_name(ns),
-                          _namespace_head(ns, learn, self._detect) + table)
-        self._ns_listeners[ns] = (table, (learn, self._detect), lis)
+                          _namespace_head(ns, learn, self._detect, conn_log) + table)
+        self._ns_listeners[ns] = (table, (learn, conn_log, self._detect), lis)
         return lis
 
     def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
@@ -876,7 +887,7 @@ class ResourceBuilder:
         for ns in namespaces:
             table = self._caller_table(tables, ns)
             ns_listeners[namespace_listener_name(ns)] = self._namespace_listener(
-                ns, table, state.learn_access_log)
+                ns, table, state.learn_access_log, state.connection_log)
         for ns in [n for n in self._ns_listeners if n not in namespaces]:
             del self._ns_listeners[ns]
         for e in self._services.values():

@@ -60,7 +60,9 @@ def pod_listener(pod: CapturedPod) -> PodListener:
 class EnvoySink:
     def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int | None = None,
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
-                 hang_timeout: float = 15.0, cgroup: str | None = None) -> None:
+                 hang_timeout: float = 15.0, cgroup: str | None = None,
+                 access_log: bool = False) -> None:
+        self.access_log = access_log  # a stdout line per passthrough connection
         self.hang_timeout = hang_timeout
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
@@ -312,7 +314,8 @@ class EnvoySink:
         state = NodeXdsState(pods=tuple(self._pods.values()),
                              capture_port=self.node.capture_port,
                              passthrough_mark=self.node.passthrough_mark,
-                             services=self._services, gamma=self._gamma)
+                             services=self._services, gamma=self._gamma,
+                             connection_log=self.access_log)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
