@@ -33,7 +33,8 @@ REGISTER_WAIT_S = 0.1  # how long an ADD/DEL may wait for the mesh model before 
 
 
 class ServiceSink(Protocol):
-    def set_services(self, views: list[ServiceView], gamma: Any = None) -> Any: ...
+    def set_services(self, views: list[ServiceView], gamma: Any = None,
+                     learnable: tuple[tuple[str, int], ...] | None = None) -> Any: ...
 
 
 class Watcher(Protocol):
@@ -190,7 +191,7 @@ class MeshRuntime:
             return
         t0 = time.monotonic()
         views = self.model.in_scope_services()
-        self.sink.set_services(views, self.compute_gamma())
+        self.sink.set_services(views, self.compute_gamma(), self.model.learnable_targets())
         self.pushes += 1
         self.last_push_s = time.monotonic() - t0
 

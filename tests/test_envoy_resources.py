@@ -419,3 +419,51 @@ def test_passthrough_grpc_access_log_config() -> None:
     tcp2 = tcp_proxy_pb2.TcpProxy()
     assert _mesh(build_resources(off)).default_filter_chain.filters[0].typed_config.Unpack(tcp2)
     assert [a.name for a in tcp2.access_log] == []
+
+
+def _logs(chain: Any) -> list[str]:
+    tcp = tcp_proxy_pb2.TcpProxy()
+    assert chain.filters[0].typed_config.Unpack(tcp)
+    assert tcp.cluster == "passthrough"
+    return [a.name for a in tcp.access_log]
+
+
+def test_learning_streams_only_learnable_cluster_ips_one_chain_per_port() -> None:
+    """With the model's learnable targets, only connections to them reach the agent's access
+    log; every other passthrough connection streams nothing. A claimed ClusterIP:port (an
+    in-scope Service's chain) is never duplicated as a learn chain (Envoy would NACK)."""
+    view = _view(ports=(ServicePort(80, "http"),))
+    state = replace(_svc_state(view), learn_targets=(
+        ("10.96.9.9", 80), ("10.96.9.8", 8080), ("fd00:96::9", 80), ("10.96.0.10", 80)))
+    lis = _mesh(build_resources(state))
+    assert _chains(lis) == {
+        "svc|mesh|web|80": [("10.96.0.10", 32, 80), ("fd00:96::a", 128, 80)],
+        "learn-80": [("10.96.9.9", 32, 80), ("fd00:96::9", 128, 80)],
+        "learn-8080": [("10.96.9.8", 32, 8080)],
+    }
+    by_name = {c.name: c for c in lis.filter_chains}
+    assert _logs(by_name["learn-80"]) == ["envoy.access_loggers.tcp_grpc"]
+    assert _logs(lis.default_filter_chain) == []
+    # nothing learnable: no learn chain, and still nothing streamed by the default chain
+    none = _mesh(build_resources(replace(state, learn_targets=())))
+    assert set(_chains(none)) == {"svc|mesh|web|80"} and _logs(none.default_filter_chain) == []
+    # learning off: no learn chains whatever the targets
+    off = _mesh(build_resources(replace(state, learn_access_log=False)))
+    assert set(_chains(off)) == {"svc|mesh|web|80"}
+    # the connection log rides on learn chains too
+    logged = _mesh(build_resources(replace(state, connection_log=True)))
+    assert _logs({c.name: c for c in logged.filter_chains}["learn-8080"]) == [
+        "envoy.access_loggers.stdout", "envoy.access_loggers.tcp_grpc"]
+
+
+def test_learn_chains_cached_until_targets_change() -> None:
+    from agent.envoy.resources import ResourceBuilder
+
+    b = ResourceBuilder()
+    state = replace(_svc_state(_view()), learn_targets=(("10.96.9.9", 80),))
+    first = b.build(state)[LISTENER_TYPE]["mesh-default"]
+    assert b.build(replace(state, learn_targets=(("10.96.9.9", 80),)))[LISTENER_TYPE][
+        "mesh-default"] is first
+    moved = b.build(replace(state, learn_targets=(("10.96.9.7", 80),)))[LISTENER_TYPE][
+        "mesh-default"]
+    assert moved is not first and _chains(moved)["learn-80"] == [("10.96.9.7", 32, 80)]

@@ -371,6 +371,21 @@ def test_learned_dependency_with_ttl(model: MeshModel, clock: Clock) -> None:
     assert model.in_scope_keys() == set()
 
 
+def test_learnable_targets_are_in_mesh_services_out_of_scope(model: MeshModel,
+                                                             clock: Clock) -> None:
+    """What Envoy reports for learning: in-mesh, not yet in scope; learned ones drop out."""
+    _gamma(model)
+    add(model, pod("client", node=NODE))
+    before = model.learnable_targets()
+    assert ("10.96.0.20", 80) in before
+    assert not [t for t in before if t[0] == "10.96.0.99"]  # not a Service
+    model.learn("10.96.0.20", 80)
+    assert ("10.96.0.20", 80) not in model.learnable_targets()
+    clock.t += 601
+    model.expire()
+    assert ("10.96.0.20", 80) in model.learnable_targets()
+
+
 def test_scope_all_serves_every_in_mesh_service(clock: Clock) -> None:
     m = MeshModel("aether.internal", "td", NODE, scope_all=True, clock=clock)
     _gamma(m)

@@ -174,6 +174,10 @@ class NodeXdsState:
     services: tuple[ServiceView, ...] = ()
     # Stream passthrough connections to the agent's access log service (dependency learning).
     learn_access_log: bool = True
+    # Which passthrough destinations to stream: (ClusterIP, port) of the in-mesh Services
+    # not in scope (``MeshModel.learnable_targets``), the only ones learning can act on; each
+    # port gets a chain of its own. None: stream every passthrough connection (no model).
+    learn_targets: tuple[tuple[str, int], ...] | None = None
     # One stdout line per passthrough connection (``--access-log``): off by default, since
     # writing and relaying it costs more per connection than proxying it does.
     connection_log: bool = False
@@ -280,13 +284,38 @@ def _tcp_proxy_filter(stat_prefix: str, cluster: str, *logs: accesslog_pb2.Acces
 def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
                       ) -> listener_components_pb2.FilterChain:
     """The default chain: anything not a Service ClusterIP goes to its original destination.
-    ``connection_log`` adds the stdout line per connection (``aether-agent run --access-log``)."""
+    ``connection_log`` adds the stdout line per connection (``aether-agent run --access-log``);
+    ``learn_access_log`` streams every connection to the agent (see ``learn_chains`` for the
+    narrow form the agent uses)."""
     logs = (([_access_log()] if connection_log else [])
             + ([_grpc_access_log()] if learn_access_log else []))
     return listener_components_pb2.FilterChain(
         name="passthrough",
         filters=[_tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)],
     )
+
+
+def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
+                 ) -> tuple[listener_components_pb2.FilterChain, ...]:
+    """Passthrough chains that also stream to the agent's access log service, one per port,
+    matching the ClusterIPs (/32, /128) learning can act on; every other passthrough
+    connection streams nothing (the gRPC entry and its handling in the agent cost as much
+    per connection as proxying it). Per port, because chain matching narrows on the port
+    first: a port-less chain would lose to any Service chain on the same port."""
+    by_port: dict[int, list[address_pb2.CidrRange]] = {}
+    for ip, port in sorted(set(targets), key=lambda t: (t[1], t[0])):
+        cidr = _cidr(ip)
+        if cidr is not None:
+            by_port.setdefault(port, []).append(cidr)
+    logs = (([_access_log()] if connection_log else []) + [_grpc_access_log()])
+    out = []
+    for port, cidrs in sorted(by_port.items()):
+        match = listener_components_pb2.FilterChainMatch(prefix_ranges=cidrs)
+        match.destination_port.value = port
+        out.append(listener_components_pb2.FilterChain(
+            name=f"learn-{port}", filter_chain_match=match,
+            filters=[_tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)]))
+    return tuple(out)
 
 
 def _cidr(ip: str) -> address_pb2.CidrRange | None:
@@ -724,6 +753,7 @@ class _ServiceTables:
     rows: list[tuple[_ServiceEntry, ServicePort, bytes | None]]
     shared: bytes | None  # every row's chains; None: some rows are per caller
     gamma: Any = None
+    claimed: frozenset[tuple[str, int]] = frozenset()  # (ClusterIP, port) with a chain
 
 
 def _raw(msg: Message, name: str) -> RawResource:
@@ -750,13 +780,15 @@ class ResourceBuilder:
         self._tables: _ServiceTables | None = None
         # caller namespace -> (chain table bytes, learn flag, listener)
         self._ns_listeners: dict[str, tuple[bytes, tuple[bool, bool, tuple[int, ...]],
-                                             RawResource]] = {}
+                                             RawResource, bytes]] = {}
         self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
         self._pod_listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
         self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
         self._gamma: Any = None
         self._detect: tuple[int, ...] = ()
+        # (targets, connection log, claimed) -> the learn chains' bytes
+        self._learn: tuple[tuple[Any, ...], bytes] = ((), b"")
 
     # ---- Services ------------------------------------------------------------------------
 
@@ -836,7 +868,7 @@ class ResourceBuilder:
             shared = prev if prev is not None and prev == flat else flat
         tables = _ServiceTables(tuple(state.services), opts,
                                 dict(sorted(clusters.items())), dict(sorted(assignments.items())),
-                                rows, shared, state.gamma)
+                                rows, shared, state.gamma, frozenset(claimed))
         if old is not None:  # same objects: keep the dict identity too (cheap to publish)
             if _same_dict(old.assignments, tables.assignments):
                 tables.assignments = old.assignments
@@ -864,14 +896,25 @@ class ResourceBuilder:
 
     # ---- listeners -----------------------------------------------------------------------
 
-    def _namespace_listener(self, ns: str, table: bytes, learn: bool, conn_log: bool
-                            ) -> RawResource:
+    def _learn_bytes(self, state: NodeXdsState, tables: _ServiceTables) -> bytes:
+        """The learn chains (empty when learning is off or streams everything), cached."""
+        if not state.learn_access_log or state.learn_targets is None:
+            return b""
+        key = (state.learn_targets, state.connection_log, tables.claimed)
+        if self._learn[0] != key:
+            targets = [t for t in state.learn_targets if t not in tables.claimed]
+            self._learn = (key, encode_chains(learn_chains(targets, state.connection_log)))
+        return self._learn[1]
+
+    def _namespace_listener(self, ns: str, table: bytes, learn_all: bool, conn_log: bool,
+                            learn: bytes) -> RawResource:
         prev = self._ns_listeners.get(ns)
-        if prev is not None and prev[0] is table and prev[1] == (learn, conn_log, self._detect):
+        flags = (learn_all, conn_log, self._detect)
+        if prev is not None and prev[0] is table and prev[1] == flags and prev[3] is learn:
             return prev[2]
         lis = RawResource(listener_pb2.Listener, namespace_listener_name(ns),
-                          _namespace_head(ns, learn, self._detect, conn_log) + table)
-        self._ns_listeners[ns] = (table, (learn, conn_log, self._detect), lis)
+                          _namespace_head(ns, learn_all, self._detect, conn_log) + table + learn)
+        self._ns_listeners[ns] = (table, flags, lis, learn)
         return lis
 
     def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
@@ -884,10 +927,12 @@ class ResourceBuilder:
         pods = sorted(state.pods, key=lambda p: p.uid)
         namespaces = sorted({p.namespace or DEFAULT_NAMESPACE for p in pods})
         ns_listeners: dict[str, RawResource] = {}
+        learn = self._learn_bytes(state, tables)
+        learn_all = state.learn_access_log and state.learn_targets is None
         for ns in namespaces:
             table = self._caller_table(tables, ns)
             ns_listeners[namespace_listener_name(ns)] = self._namespace_listener(
-                ns, table, state.learn_access_log, state.connection_log)
+                ns, table, learn_all, state.connection_log, learn)
         for ns in [n for n in self._ns_listeners if n not in namespaces]:
             del self._ns_listeners[ns]
         for e in self._services.values():

@@ -104,6 +104,7 @@ class EnvoySink:
         self._netns_killed: int | None = None  # the Envoy pid last killed for its netns
         self._services: tuple[Any, ...] = ()
         self._gamma: Any = None
+        self._learnable: tuple[tuple[str, int], ...] | None = None
         self._lock = threading.Lock()
         self._adopted: psutil.Process | None = None
         self._adopt_watch: threading.Thread | None = None
@@ -315,7 +316,7 @@ class EnvoySink:
                              capture_port=self.node.capture_port,
                              passthrough_mark=self.node.passthrough_mark,
                              services=self._services, gamma=self._gamma,
-                             connection_log=self.access_log)
+                             connection_log=self.access_log, learn_targets=self._learnable)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
@@ -374,12 +375,16 @@ class EnvoySink:
                     self._publish()
         self.check_envoy_netns("after a NACK")
 
-    def set_services(self, views: list[Any], gamma: Any = None) -> str:
+    def set_services(self, views: list[Any], gamma: Any = None,
+                     learnable: tuple[tuple[str, int], ...] | None = None) -> str:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
+        ``learnable``: the (ClusterIP, port) pairs whose passthrough connections Envoy reports
+        for dependency learning (None: all of them).
         Not awaited: a pod's ADD waits for its own listener, not for the mesh config."""
         with self._lock:
             self._services = tuple(views)  # the builder compares views by identity
             self._gamma = gamma
+            self._learnable = learnable
             return self._publish()
 
     def set_access_callback(self, cb: Callable[[str, int], None] | None) -> None:

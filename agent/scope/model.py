@@ -207,6 +207,20 @@ class MeshModel:
             views = (self._view(k) for k in sorted(self._scope))
             return [v for v in views if v is not None]
 
+    def learnable_targets(self) -> tuple[tuple[str, int], ...]:
+        """(ClusterIP, TCP port) of every in-mesh Service not in scope, sorted: the only
+        passthrough destinations learning can act on, so the only ones Envoy reports."""
+        with self._lock:
+            self._settle(set())
+            out: set[tuple[str, int]] = set()
+            for key in self._in_mesh - self._scope:
+                svc = self.services.get(key)
+                if svc is None or svc.headless:
+                    continue
+                out.update((ip, p.port) for ip in svc.cluster_ips
+                           for p in svc.ports if p.protocol.upper() == "TCP")
+            return tuple(sorted(out))
+
     def endpoints_for_identity(self, identity: str) -> list[PodRecord]:
         with self._lock:
             return self.registry.by_identity(identity)
