@@ -25,6 +25,7 @@ from agent.scope.routes import Route
 from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
+from agent.source.pace import breathe
 from agent.state import CapturedPod
 
 log = logging.getLogger("aether.mesh")
@@ -83,6 +84,8 @@ class MeshRuntime:
             if not watcher.wait_synced(sync_timeout):
                 log.warning("mesh source %s not synced after %.0fs; serving what is known",
                             watcher.describe(), sync_timeout)
+        # serving from now on: a Namespace change re-evaluates its pods in paced chunks
+        self.model.breathe = breathe
         self.publish_now()
         self._thread.start()
 

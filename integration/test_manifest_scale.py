@@ -195,6 +195,20 @@ def test_bad_and_huge_manifests_beside_normal_ones_never_slow_an_add(node: Node)
     report("while the edited big file reloads")
     print(f"edit reloaded within {reload_s:.1f}s; agent RSS {rss2 / 1e6:.0f} MB")
 
+    # a one-line edit of the Namespace: the mesh model re-evaluates all 50k pods of it, in
+    # paced chunks (the lock free between them); ADDs meanwhile must stay within budget
+    relabelled = edited.replace(b'  labels:\n    aether.io/managed: "true"\n',
+                                b'  labels:\n    team: "x"\n    aether.io/managed: "true"\n', 1)
+    assert len(relabelled) > len(edited)
+    write_atomically(big, relabelled)
+    wait_until_loading(node)
+    settled_at = None
+    while settled_at is None or time.monotonic() - settled_at < 6.0:
+        add_and_delete(node, node.pod(), "while the Namespace edit is applied")
+        if settled_at is None and not loading(node):
+            settled_at = time.monotonic()
+    report("while the Namespace edit is applied")
+
     assert node.agent.proc.poll() is None
     assert "Traceback" not in node.agent.logs()
     for label in TIMES:

@@ -426,3 +426,53 @@ def test_event_model_same_from_manifests_and_api(model: MeshModel, tmp_path: Any
     other = MeshModel("aether.internal", "td.example", NODE)
     add(other, *docs)
     assert other.in_scope_services() == model.in_scope_services()
+
+
+def test_namespace_change_is_applied_in_chunks_with_the_lock_free_between(clock: Clock) -> None:
+    """With ``breathe`` set (a serving agent), a Namespace edit re-evaluates its pods
+    NAMESPACE_CHUNK at a time and releases the model between chunks; the outcome is the
+    one-piece outcome."""
+    import threading
+
+    from agent.scope.model import NAMESPACE_CHUNK
+
+    n = NAMESPACE_CHUNK * 3 + 7
+    objs = [ns("big", managed=False), svc("web", "big", selector={"app": "web"}),
+            *[pod(f"p{i}", "big", ips=(f"10.7.{i // 250}.{i % 250 + 1}",),
+                  labels={"app": "web"}) for i in range(n)]]
+    one, chunked = (MeshModel("aether.internal", "td", NODE, clock=clock) for _ in range(2))
+    for m in (one, chunked):
+        add(m, *objs)
+        assert not m.is_in_mesh("big/web")  # the namespace is not managed yet
+    pauses: list[float] = []
+    free: list[bool] = []
+
+    def other_thread_gets_the_lock() -> bool:
+        got: list[bool] = []
+
+        def probe() -> None:
+            ok = chunked._lock.acquire(blocking=False)
+            if ok:
+                chunked._lock.release()
+            got.append(ok)
+
+        th = threading.Thread(target=probe)
+        th.start()
+        th.join(5)
+        return got == [True]
+
+    def breathe(busy: float) -> None:
+        pauses.append(busy)
+        free.append(other_thread_gets_the_lock())
+
+    chunked.breathe = breathe
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        out=chunked.apply(WatchEvent("MODIFIED", "Namespace", ns("big")))))
+    t.start()
+    t.join(10)
+    expected = one.apply(WatchEvent("MODIFIED", "Namespace", ns("big")))
+    assert result["out"] == expected == {"big/web"}
+    assert len(pauses) == 3 and all(free)  # 4 chunks, a pause (lock free) between each
+    assert chunked.is_in_mesh("big/web") and len(chunked.registry.members("big/web")) == n
+    assert len(one.registry.members("big/web")) == n

@@ -14,6 +14,7 @@ Services take their members from their EndpointSlices (by targetRef, else by add
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,15 +216,24 @@ class Registry:
 
     def set_namespace(self, obj: dict[str, Any] | None, name: str) -> tuple[set[str], set[str]]:
         """Namespace labels decide managed-ness of label-less pods: re-evaluate that ns only."""
+        return self._refresh_pods(set(self.set_namespace_meta(obj, name)))
+
+    def set_namespace_meta(self, obj: dict[str, Any] | None, name: str) -> list[str]:
+        """Record a Namespace; the pods to re-evaluate with ``refresh_pods`` (none when it
+        did not change). Split so a big namespace can be re-evaluated in chunks."""
         if obj is None:
             if self._namespaces.pop(name, None) is None:
-                return set(), set()
+                return []
         else:
             meta = namespace_from_object(obj)
             if self._namespaces.get(name) == meta:
-                return set(), set()
+                return []
             self._namespaces[name] = meta
-        return self._refresh_pods(set(self._pod_keys_by_ns.get(name, ())))
+        return sorted(self._pod_keys_by_ns.get(name, ()))
+
+    def refresh_pods(self, keys: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Re-evaluate these pods against what is known now: (Services affected, pods changed)."""
+        return self._refresh_pods(set(keys))
 
     # ---- service inputs --------------------------------------------------------------------
 

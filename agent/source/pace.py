@@ -23,6 +23,7 @@ YIELD = 2.0
 MIN_PAUSE_S = 0.001
 
 _one_at_a_time = threading.Lock()
+_local = threading.local()  # .paused: seconds ``breathe`` slept inside the current slice
 
 
 @contextmanager
@@ -30,8 +31,20 @@ def background_slice() -> Iterator[None]:
     """Run one slice of background work, then pause (outside the slice) in proportion."""
     with _one_at_a_time:
         started = time.monotonic()
+        _local.paused = 0.0
         try:
             yield
         finally:
-            busy = time.monotonic() - started
+            busy = time.monotonic() - started - _local.paused
+            _local.paused = 0.0
     time.sleep(max(MIN_PAUSE_S, busy * YIELD))
+
+
+def breathe(busy_s: float) -> None:
+    """For one long piece of work done in chunks (a Namespace edit re-evaluating 50k pods):
+    after a chunk that kept the thread busy ``busy_s``, pause in the same proportion as
+    between slices. Callers release their own locks first. Inside a ``background_slice`` the
+    pause is not counted as the slice's work (it would double the pause after it)."""
+    pause = max(MIN_PAUSE_S, busy_s * YIELD)
+    time.sleep(pause)
+    _local.paused = getattr(_local, "paused", 0.0) + pause
