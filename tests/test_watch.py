@@ -16,6 +16,7 @@ from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore, diff_snapshots
 from agent.source.watch import MESH_KINDS, KubeWatcher, ManifestWatcher
 from agent.testing import FakeApiServer
+from agent.testing.apiserver import ApiError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,5 +229,72 @@ def test_manifest_watcher_emits_diffs_on_change(tmp_path: Path) -> None:
         eventually(lambda: len(seen) == 3)
         assert sorted(seen) == [
             ("ADDED", "Pod", "p2"), ("DELETED", "Service", "s1"), ("MODIFIED", "Pod", "p1")]
+    finally:
+        w.stop()
+
+
+# ---- paged LISTs and slim Pods ----------------------------------------------------------------
+
+
+def test_lists_come_in_pages_and_pods_are_slimmed(server: FakeApiServer, tmp_path: Path) -> None:
+    """A LIST of 1,200 Pods arrives as three pages of 500 (limit/continue, as client-go's
+    pager asks), all of one snapshot; each Pod is stored slim (no env, no managedFields)."""
+    for i in range(1200):
+        p = pod(f"p{i:04d}")
+        p["spec"]["containers"][0]["env"] = [{"name": "X", "value": "y" * 100}]
+        p["metadata"]["managedFields"] = [{"manager": "kubectl"}]
+        server.put_object(p)
+    store = ObjectStore()
+    w = KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
+                    threading.Event(), request_timeout=5.0, list_page=500)
+    before = server.lists
+    try:
+        w.start()
+        assert w.wait_synced(20)
+        assert server.lists - before == 3
+        assert len(store.of_kind("Pod")) == 1200
+        got = store.get("Pod", "default", "p0007")
+        assert got is not None and got["kind"] == "Pod"
+        assert "env" not in got["spec"]["containers"][0] and "managedFields" not in got["metadata"]
+        assert got["spec"]["nodeName"] == "node-a"
+    finally:
+        w.stop()
+
+
+def test_a_page_served_after_writes_is_of_the_first_page_snapshot(server: FakeApiServer) -> None:
+    for i in range(5):
+        server.put_object(pod(f"p{i}", v="1"))
+    first = server.list_objects("Pod", limit=2)
+    rv, token = first["metadata"]["resourceVersion"], first["metadata"]["continue"]
+    assert first["metadata"]["remainingItemCount"] == 3
+    server.put_object(pod("p4", v="2"))  # after the snapshot
+    server.put_object(pod("p9"))
+    rest = server.list_objects("Pod", limit=10, token=token)
+    assert rest["metadata"]["resourceVersion"] == rv and "continue" not in rest["metadata"]
+    assert [(o["metadata"]["name"], o["metadata"]["labels"]) for o in rest["items"]] == [
+        ("p2", {"v": "1"}), ("p3", {"v": "1"}), ("p4", {"v": "1"})]
+    again = server.list_objects("Pod", limit=2)
+    server.put_object(pod("p10"))
+    server.compact()  # the snapshot's revision is compacted away
+    with pytest.raises(ApiError) as err:
+        server.list_objects("Pod", limit=2, token=again["metadata"]["continue"])
+    assert err.value.code == 410
+
+
+def test_an_expired_continue_token_restarts_the_list(server: FakeApiServer,
+                                                     tmp_path: Path) -> None:
+    """410 Expired on a later page: the watcher lists again from the start and converges."""
+    for i in range(30):
+        server.put_object(pod(f"p{i:02d}"))
+    store = ObjectStore()
+    w = KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
+                    threading.Event(), request_timeout=5.0, list_page=10,
+                    backoff_base=0.05, backoff_cap=0.2)
+    server.expire_continues(1)  # the next continue request is answered 410
+    try:
+        w.start()
+        assert w.wait_synced(20)
+        assert len(store.of_kind("Pod")) == 30
+        assert w.status["Pod"].relists_410 == 1
     finally:
         w.stop()

@@ -6,6 +6,7 @@ fields the capture decision needs, so the decision stays a pure function of plai
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +98,74 @@ def namespace_from_object(obj: dict[str, Any]) -> NamespaceMeta:
         labels=_str_map(meta.get("labels")),
         annotations=_str_map(meta.get("annotations")),
     )
+
+
+def _slim_containers(value: Any) -> list[dict[str, Any]]:
+    out = []
+    for c in _list(value):
+        if not isinstance(c, dict):
+            continue
+        kept: dict[str, Any] = {"name": _intern(c["name"])} if "name" in c else {}
+        ports = [{k: _intern(p[k]) for k in ("name", "containerPort", "protocol") if k in p}
+                 for p in _list(c.get("ports")) if isinstance(p, dict)]
+        if ports:
+            kept["ports"] = ports
+        sc = _map(c.get("securityContext"))
+        held = {k: sc[k] for k in ("privileged",) if k in sc}
+        add = _list(_map(sc.get("capabilities")).get("add"))
+        if add:
+            held["capabilities"] = {"add": [_intern(x) for x in add]}
+        if held:
+            kept["securityContext"] = held
+        out.append(kept)
+    return out
+
+
+def _intern(value: Any) -> Any:
+    """Label keys and values, namespaces, node and ServiceAccount names repeat across every
+    pod of a cluster: one string object each instead of one per pod."""
+    return sys.intern(value) if isinstance(value, str) and len(value) <= 128 else value
+
+
+def _slim_map(value: Any) -> dict[str, Any]:
+    return {_intern(k): _intern(v) for k, v in _map(value).items()}
+
+
+def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Pod the agent reads, and nothing else: applied on receipt from the
+    API (as a client-go informer transform is), so a node's memory follows what the mesh
+    needs — not env, probes, volumes, managedFields or container statuses — and status-only
+    churn (restart counts, probe times) no longer changes the stored object (the
+    resourceVersion goes too: unchanged content is an unchanged object). Readers:
+    ``pod_from_object``, ``agent.scope.registry`` (IPs, Ready, named ports, deletion),
+    ``agent.node.repair``, ``agent.enroll``."""
+    meta = _map(obj.get("metadata"))
+    spec = _map(obj.get("spec"))
+    status = _map(obj.get("status"))
+    m: dict[str, Any] = {k: _intern(meta[k]) for k in ("name", "namespace", "uid")
+                         if k in meta}
+    for k in ("labels", "annotations"):
+        if meta.get(k):
+            m[k] = _slim_map(meta[k])
+    if meta.get("deletionTimestamp"):
+        m["deletionTimestamp"] = meta["deletionTimestamp"]
+    owners = [{k: _intern(o[k]) for k in ("kind", "name", "controller") if k in o}
+              for o in _list(meta.get("ownerReferences")) if isinstance(o, dict)]
+    if owners:
+        m["ownerReferences"] = owners
+    s: dict[str, Any] = {k: _intern(spec[k]) for k in
+                         ("nodeName", "serviceAccountName", "serviceAccount", "hostNetwork")
+                         if k in spec}
+    for k in ("containers", "initContainers"):
+        if spec.get(k):
+            s[k] = _slim_containers(spec[k])
+    st: dict[str, Any] = {k: _intern(status[k]) for k in ("phase", "podIP") if k in status}
+    if status.get("podIPs"):
+        st["podIPs"] = [{"ip": _map(x).get("ip")} for x in _list(status["podIPs"])]
+    ready = [{"type": "Ready", "status": _intern(c.get("status"))}
+             for c in _list(status.get("conditions"))
+             if isinstance(c, dict) and c.get("type") == "Ready"]
+    if ready:
+        st["conditions"] = ready
+    return {"apiVersion": obj.get("apiVersion", "v1"), "kind": "Pod", "metadata": m,
+            "spec": s, "status": st}

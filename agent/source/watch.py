@@ -9,9 +9,12 @@ re-watches from the last version seen, which bookmarks keep fresh so a quiet kin
 fall behind compaction. Requests are raw (``_preload_content=False``) JSON so both backends
 store identical plain dicts.
 
-Scaling note: Pods are listed cluster-wide, not with ``spec.nodeName=<node>``: remote managed
-pods are the endpoints of the Services local pods dial. That is O(cluster pods) memory per
-node; a later issue can narrow it to pods selected by in-scope Services.
+Scaling: Pods are listed cluster-wide, not with ``spec.nodeName=<node>``: remote managed
+pods are the endpoints of the Services local pods dial. So every LIST is paged
+(``limit``/``continue``, ``LIST_PAGE`` objects a request, as client-go's pager does; an
+expired continue token is a 410 like any other and restarts the list), and every Pod is
+slimmed on receipt (``agent.source.model.slim_pod``: the dozen fields the agent reads), so
+memory per cluster pod follows what the mesh needs rather than the size of a Pod spec.
 
 Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp) through the shared
 ``ManifestLoader`` (which re-parses only changed files, big ones on a thread of their own)
@@ -41,11 +44,14 @@ from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
 from agent.source.manifests import ManifestLoader, shared_loader
+from agent.source.model import slim_pod
 from agent.source.pace import background_slice
 
 log = logging.getLogger("aether.source.watch")
 
 _GW = "gateway.networking.k8s.io/v1"
+#: Objects per LIST request (the API server's pages; client-go's pager asks for 500).
+LIST_PAGE = 500
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,10 @@ class KubeWatcher:
         request_timeout: float = 10.0,
         backoff_base: float = 0.2,
         backoff_cap: float = 5.0,
+        list_page: int = LIST_PAGE,
     ) -> None:
         self.api = _load_api_client(api)
+        self.list_page = list_page
         self.kinds = tuple(kinds)
         unknown = [k for k in self.kinds if k not in KIND_SPECS]
         if unknown:
@@ -233,18 +241,34 @@ class KubeWatcher:
         return resp
 
     def _normalise(self, spec: KindSpec, obj: dict[str, Any]) -> dict[str, Any]:
+        if spec.kind == "Pod":
+            return slim_pod(obj)  # sets kind and apiVersion too
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
         obj.setdefault("apiVersion", spec.api_version)
         return obj
 
     def _list(self, spec: KindSpec, st: KindStatus) -> None:
-        resp = self._request(spec, {}, self.request_timeout)
-        try:
-            body = json.loads(resp.data)
-        finally:
-            resp.release_conn()
-        items = [self._normalise(spec, o) for o in body.get("items") or []]
-        rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+        """One consistent LIST in pages (each page normalised, i.e. Pods slimmed, before
+        the next is read); a 410 on a later page (token expired) raises ``Gone``."""
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            query = {"limit": str(self.list_page)} if self.list_page > 0 else {}
+            if token:
+                query["continue"] = token
+            resp = self._request(spec, query, self.request_timeout)
+            try:
+                body = json.loads(resp.data)
+            finally:
+                resp.release_conn()
+            items.extend(self._normalise(spec, o) for o in body.get("items") or [])
+            meta = body.get("metadata") or {}
+            token = str(meta.get("continue") or "")
+            if not token:
+                break
+            if self.stop_event.is_set():
+                return
+        rv = str(meta.get("resourceVersion") or "")
         events = self.store.replace_kind(spec.kind, items)
         st.lists += 1
         st.events += len(events)

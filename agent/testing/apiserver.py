@@ -301,6 +301,11 @@ class FakeApiServer:
         self._watches: set[_Watch] = set()
         self._conns: set[socket.socket] = set()
         self._fail: list[int] = []
+        # LIST continue tokens -> (resourceVersion of the snapshot, objects still to serve)
+        self._continues: dict[str, tuple[int, list[JSON]]] = {}
+        self._pages = 0
+        self._expire_next = 0
+        self.lists = 0  # LIST requests served (each page counts)
         self._delay = 0.0
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -414,6 +419,23 @@ class FakeApiServer:
                 return False
             self._remove(res, ns, name)
             return True
+
+    def list_objects(self, kind: str, limit: int = 0, token: str = "",
+                     api_version: str = "v1") -> JSON:
+        """A LIST (all namespaces) as a client gets it, paged with ``limit``/``token``;
+        raises ``ApiError`` (410) for an expired token."""
+        res = self._resource_for({"apiVersion": api_version, "kind": kind})
+        query = {"limit": str(limit)} if limit else {}
+        if token:
+            query["continue"] = token
+        with self._lock:
+            return self._list(res, None, query)
+
+    def expire_continues(self, count: int = 1) -> None:
+        """The next ``count`` LIST requests with a continue token get 410 Expired (as after
+        an etcd compaction between two pages)."""
+        with self._lock:
+            self._expire_next += count
 
     def compact(self) -> None:
         """Forget the event history: watches from any older resourceVersion now get 410."""
@@ -742,25 +764,52 @@ class FakeApiServer:
         return 201, self._insert(res, ns, obj)
 
     def _list(self, res: Resource, ns: str | None, query: dict[str, str]) -> JSON:
-        labels = _parse_selector(query.get("labelSelector", ""))
-        fields = _parse_selector(query.get("fieldSelector", ""))
+        """A LIST, paged as the real server pages it when ``limit`` is given: each page ends
+        with ``metadata.continue`` (and ``remainingItemCount``) while items remain; a
+        continue token serves the next page of the same snapshot (same resourceVersion), and
+        one that is unknown or older than the compaction point is 410 Expired."""
+        token = query.get("continue", "")
+        limit = int(query["limit"]) if query.get("limit", "").isdigit() else 0
+        if token:
+            snap = self._continues.pop(token, None)
+            if self._expire_next > 0:
+                self._expire_next -= 1
+                snap = None
+            if snap is None or snap[0] < self._compacted_rv:
+                raise ApiError(410, "The provided continue parameter is too old to display a "
+                               "consistent list result. You can start a new list without the "
+                               "continue parameter.", "Expired")
+            rv, objs = snap
+        else:
+            labels = _parse_selector(query.get("labelSelector", ""))
+            fields = _parse_selector(query.get("fieldSelector", ""))
+            rv = self._rv
+            objs = []  # the stored dicts themselves: writes replace them, so this is a snapshot
+            for key in sorted(self._store):
+                gv, plural, ons, _ = key
+                if gv != res.api_version or plural != res.plural:
+                    continue
+                if ns is not None and res.namespaced and ons != ns:
+                    continue
+                if _matches(self._store[key], labels, fields):
+                    objs.append(self._store[key])
+        page, rest = (objs[:limit], objs[limit:]) if limit > 0 else (objs, [])
         items = []
-        for (gv, plural, ons, _), obj in sorted(self._store.items()):
-            if gv != res.api_version or plural != res.plural:
-                continue
-            if ns is not None and res.namespaced and ons != ns:
-                continue
-            if _matches(obj, labels, fields):
-                item = copy.deepcopy(obj)
-                item.pop("kind", None)  # the real apiserver omits these on list items
-                item.pop("apiVersion", None)
-                items.append(item)
-        return {
-            "kind": res.list_kind,
-            "apiVersion": res.api_version,
-            "metadata": {"resourceVersion": str(self._rv)},
-            "items": items,
-        }
+        for obj in page:
+            item = copy.deepcopy(obj)
+            item.pop("kind", None)  # the real apiserver omits these on list items
+            item.pop("apiVersion", None)
+            items.append(item)
+        meta: JSON = {"resourceVersion": str(rv)}
+        if rest:
+            self._pages += 1
+            nxt = f"{rv}-{self._pages}"
+            self._continues[nxt] = (rv, rest)
+            meta["continue"] = nxt
+            meta["remainingItemCount"] = len(rest)
+        self.lists += 1
+        return {"kind": res.list_kind, "apiVersion": res.api_version, "metadata": meta,
+                "items": items}
 
     def _watch(
         self, h: BaseHTTPRequestHandler, res: Resource, ns: str | None, query: dict[str, str]
