@@ -14,6 +14,7 @@ Services take their members from their EndpointSlices (by targetRef, else by add
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +22,14 @@ from typing import Any
 from agent.capture.policy import decide
 from agent.config import NodeConfig
 from agent.scope.services import canonical_ip
-from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object
+from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object, shared
 
 
 def spiffe_id(trust_domain: str, namespace: str, service_account: str) -> str:
     return f"spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PodRecord:
     """One managed pod as the mesh sees it (an endpoint, possibly local)."""
 
@@ -48,7 +49,7 @@ class PodRecord:
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+        return sys.intern(f"{self.namespace}/{self.name}")
 
     @property
     def identity(self) -> str:
@@ -76,6 +77,9 @@ class CniRegistration:
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     ready: bool = False
+
+
+_API, _CNI, _API_CNI = frozenset({"api"}), frozenset({"cni"}), frozenset({"api", "cni"})
 
 
 def _pod_ips(obj: dict[str, Any]) -> tuple[str, ...]:
@@ -137,7 +141,7 @@ class Registry:
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
         self._members: dict[str, set[str]] = {}
-        self._pod_svcs: dict[str, set[str]] = {}
+        self._pod_svcs: dict[str, frozenset[str]] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -300,7 +304,7 @@ class Registry:
                 namespace=reg.namespace, name=reg.name, uid=reg.uid,
                 service_account=reg.service_account, ips=reg.ips, node_name=self.node.node_name,
                 ready=reg.ready, local=True, labels=reg.labels, annotations=reg.annotations,
-                sources=frozenset({"cni"}),
+                sources=_CNI,
             )
         phase = str((obj.get("status") or {}).get("phase") or "")
         if phase in ("Succeeded", "Failed"):
@@ -325,8 +329,8 @@ class Registry:
             local=reg is not None or (bool(meta.node_name) and meta.node_name == self.node.node_name),
             labels=meta.labels,
             annotations=meta.annotations,
-            named_ports=_named_ports(obj),
-            sources=frozenset({"api"} | ({"cni"} if reg else set())),
+            named_ports=shared(_named_ports(obj)),
+            sources=_API_CNI if reg else _API,
         )
 
     def _refresh_pods(self, keys: set[str]) -> tuple[set[str], set[str]]:
@@ -351,14 +355,14 @@ class Registry:
                 self._by_identity.setdefault(new.identity, set()).add(key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
-            old_svcs = self._pod_svcs.get(key, set())
+            old_svcs: frozenset[str] = self._pod_svcs.get(key, frozenset())
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
                 self._members.get(s, set()).discard(key)
             for s in new_svcs - old_svcs:
                 self._members.setdefault(s, set()).add(key)
             if new_svcs:
-                self._pod_svcs[key] = new_svcs
+                self._pod_svcs[key] = shared(frozenset(new_svcs))  # a ReplicaSet's pods share one
             else:
                 self._pod_svcs.pop(key, None)
             affected |= old_svcs | new_svcs
@@ -417,11 +421,13 @@ class Registry:
         for k in old - members:
             s = self._pod_svcs.get(k)
             if s is not None:
-                s.discard(svc_key)
-                if not s:
+                rest = s - {svc_key}
+                if rest:
+                    self._pod_svcs[k] = shared(rest)
+                else:
                     del self._pod_svcs[k]
         for k in members - old:
-            self._pod_svcs.setdefault(k, set()).add(svc_key)
+            self._pod_svcs[k] = shared(self._pod_svcs.get(k, frozenset()) | {svc_key})
         self._members[svc_key] = members
         return True
 

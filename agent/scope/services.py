@@ -19,9 +19,10 @@ DEFAULT_MESH_DOMAIN = "aether.internal"
 def canonical_ip(ip: str) -> str | None:
     """One spelling per address (IPv6 has many), None if it is not an IP at all."""
     try:
-        return str(ipaddress.ip_address(ip.strip()))
+        canon = str(ipaddress.ip_address(ip.strip()))
     except ValueError:
         return None
+    return ip if canon == ip else canon  # the caller's string when it already is canonical
 
 
 @dataclass(frozen=True)

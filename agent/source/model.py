@@ -27,7 +27,8 @@ class PodMeta:
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+        # interned: the registry's maps and sets all hold this one string per pod
+        return sys.intern(f"{self.namespace}/{self.name}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,12 @@ class NamespaceMeta:
 
 
 def _str_map(value: Any) -> dict[str, str]:
+    """A string map; the very dict when it already is one (slim pods share theirs between
+    the pods of a ReplicaSet: copying would undo that)."""
     if not isinstance(value, dict):
         return {}
+    if all(type(k) is str and type(v) is str for k, v in value.items()):
+        return value
     return {str(k): "" if v is None else str(v) for k, v in value.items()}
 
 
@@ -121,6 +126,27 @@ def _slim_containers(value: Any) -> list[dict[str, Any]]:
     return out
 
 
+#: Sub-structures of slim pods, shared by value (``shared``); cleared when it grows past
+#: SHARED_MAX entries, which only costs the sharing of what comes next.
+_SHARED: dict[str, Any] = {}
+SHARED_MAX = 200_000
+
+
+def shared(value: Any) -> Any:
+    """One object for equal labels, annotations, owners, containers or conditions: the pods
+    of one ReplicaSet hold the same ones, so 100k pods hold a few thousand of each. Slim pods
+    are therefore immutable: nothing may change one in place."""
+    if not value:
+        return value
+    key = f"{type(value).__name__}{value!r}"
+    got = _SHARED.get(key)
+    if got is None:
+        if len(_SHARED) >= SHARED_MAX:
+            _SHARED.clear()
+        got = _SHARED[key] = value
+    return got
+
+
 def _intern(value: Any) -> Any:
     """Label keys and values, namespaces, node and ServiceAccount names repeat across every
     pod of a cluster: one string object each instead of one per pod."""
@@ -146,19 +172,19 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
                          if k in meta}
     for k in ("labels", "annotations"):
         if meta.get(k):
-            m[k] = _slim_map(meta[k])
+            m[k] = shared(_slim_map(meta[k]))
     if meta.get("deletionTimestamp"):
         m["deletionTimestamp"] = meta["deletionTimestamp"]
     owners = [{k: _intern(o[k]) for k in ("kind", "name", "controller") if k in o}
               for o in _list(meta.get("ownerReferences")) if isinstance(o, dict)]
     if owners:
-        m["ownerReferences"] = owners
+        m["ownerReferences"] = shared(owners)
     s: dict[str, Any] = {k: _intern(spec[k]) for k in
                          ("nodeName", "serviceAccountName", "serviceAccount", "hostNetwork")
                          if k in spec}
     for k in ("containers", "initContainers"):
         if spec.get(k):
-            s[k] = _slim_containers(spec[k])
+            s[k] = shared(_slim_containers(spec[k]))
     st: dict[str, Any] = {k: _intern(status[k]) for k in ("phase", "podIP") if k in status}
     if status.get("podIPs"):
         st["podIPs"] = [{"ip": _map(x).get("ip")} for x in _list(status["podIPs"])]
@@ -166,6 +192,6 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
              for c in _list(status.get("conditions"))
              if isinstance(c, dict) and c.get("type") == "Ready"]
     if ready:
-        st["conditions"] = ready
+        st["conditions"] = shared(ready)
     return {"apiVersion": obj.get("apiVersion", "v1"), "kind": "Pod", "metadata": m,
             "spec": s, "status": st}

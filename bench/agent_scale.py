@@ -1,0 +1,279 @@
+"""Benchmark: the real `aether-agent run` process at cluster scale, its Envoy connected.
+
+    python -m bench.agent_scale [--pods 50000,100000] [--services 10000] [--nodes 300]
+                                [--local 110] [--quick] [--json OUT]
+
+For each size, the project's test API server (``bench.scale_api``, a process of its own)
+holds a cluster: 50 managed namespaces, ``--services`` Services each with one EndpointSlice,
+and ``--pods`` realistic Pods (``bench.scale_objects``: env, probes, volumes, managedFields,
+full status; ~4.4 KB of JSON each) spread over ``--nodes`` nodes, ``--local`` of them on
+ours. The agent runs as production runs it (``--kubeconfig``, Envoy on), with ``--scope all``
+so every Service reaches its Envoy: the heaviest configuration.
+
+Figures: time from the agent's start to ready (every kind listed into the model and Envoy
+holding a cluster per Service, read from Envoy's own stats), the agent's RSS and USS then
+(psutil; Envoy's RSS apart), and one Service's endpoints changing (one of its pods deleted
+through the API): the time until Envoy's membership of that cluster changes, and the agent
+CPU it cost. Targets:
+ready ≤ 30 s and agent RSS ≤ 300 MB at 100k Pods + 10k Services. The growth per 10k pods is
+the slope between the sizes run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+import psutil
+
+from agent.cni import protocol
+from agent.envoy.supervisor import admin_request
+from bench.common import dumps, machine_info, progress
+from bench.scale_objects import LOCAL_NODE, namespace_of
+from integration.conftest import free_port
+
+TARGET_READY_S = 30.0
+TARGET_RSS_MB = 300.0
+TARGET_AT_PODS = 100_000
+READY_TIMEOUT_S = 600.0
+CHANGED_SERVICE = 1
+
+
+def _status(run_dir: str) -> dict[str, Any] | None:
+    try:
+        answer = protocol.call(os.path.join(run_dir, "status.sock"), {"command": "status"}, 5)
+    except (OSError, ValueError):
+        return None
+    st = answer.get("status")
+    return st if isinstance(st, dict) else None
+
+
+def _envoy_stat(run_dir: str, name: str) -> int | None:
+    sock = os.path.join(run_dir, "envoy", "admin.sock")
+    try:
+        body = admin_request(sock, "GET", f"/stats?filter=^{name}$", timeout=5)[1]
+    except OSError:
+        return None
+    for line in body.splitlines():
+        k, _, v = line.partition(": ")
+        if k == name and v.strip().isdigit():
+            return int(v)
+    return None
+
+
+def _cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+class Cluster:
+    """The API server process and the agent process for one size."""
+
+    def __init__(self, root: str, pods: int, services: int, nodes: int, local: int) -> None:
+        self.dir = os.path.join(root, f"p{pods}")
+        os.makedirs(self.dir)
+        self.pods, self.services, self.nodes, self.local = pods, services, nodes, local
+        self.api: subprocess.Popen[str] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.run_dir = os.path.join(self.dir, "run")
+        self.url = ""
+
+    def start_api(self) -> float:
+        started = time.monotonic()
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "bench.scale_api", "--pods", str(self.pods), "--services",
+             str(self.services), "--nodes", str(self.nodes), "--local", str(self.local),
+             "--dir", self.dir], stdout=subprocess.PIPE, text=True)
+        assert self.api.stdout is not None
+        line = self.api.stdout.readline()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"the scale API server did not start: {line!r}")
+        self.url = line.rsplit(" ", 1)[1].strip()
+        return time.monotonic() - started
+
+    def start_agent(self) -> float:
+        """Start the agent; returns seconds to ready (see the module docstring)."""
+        for d in ("cni", "bin"):
+            os.makedirs(os.path.join(self.dir, d), exist_ok=True)
+        cmd = [sys.executable, "-m", "agent.cli", "run",
+               "--kubeconfig", os.path.join(self.dir, "kubeconfig"),
+               "--node-name", LOCAL_NODE, "--run-dir", self.run_dir, "--scope", "all",
+               "--cni-conf-dir", os.path.join(self.dir, "cni"),
+               "--cni-bin-dir", os.path.join(self.dir, "bin"),
+               "--metrics-port", str(free_port()), "--metrics-host", "127.0.0.1",
+               "--log-format", "json", "--log-level", "info", "--envoy-on-exit", "stop",
+               "--no-xmesh-create"]
+        log = open(os.path.join(self.dir, "agent.log"), "ab")  # noqa: SIM115 - child's
+        started = time.monotonic()
+        self.agent = subprocess.Popen(cmd, stdout=log, stderr=log)
+        last = ""
+        while time.monotonic() - started < READY_TIMEOUT_S:
+            if self.agent.poll() is not None:
+                raise RuntimeError(f"the agent exited {self.agent.returncode}: {self.log()}")
+            st = _status(self.run_dir)
+            if st is not None:
+                kinds = (st.get("mesh") or {}).get("objects_by_kind") or {}
+                clusters = _envoy_stat(self.run_dir, "cluster_manager.active_clusters") or 0
+                now = (f"pods {kinds.get('Pod', 0)}/{self.pods}, services "
+                       f"{kinds.get('Service', 0)}/{self.services}, Envoy clusters {clusters}")
+                if now != last:
+                    progress(f"  [{self.pods} pods] {time.monotonic() - started:5.1f} s: {now}")
+                    last = now
+                if kinds.get("Pod", 0) >= self.pods and kinds.get("Service", 0) >= self.services \
+                        and kinds.get("EndpointSlice", 0) >= self.services \
+                        and clusters >= self.services:
+                    return time.monotonic() - started
+            time.sleep(0.25)
+        raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f} s: {last}")
+
+    def memory(self) -> dict[str, float]:
+        assert self.agent is not None
+        p = psutil.Process(self.agent.pid)
+        full = p.memory_full_info()
+        st = _status(self.run_dir) or {}
+        envoy_rss = (st.get("envoy") or {}).get("rss_bytes") or 0
+        return {"agent_rss_mb": full.rss / 1e6, "agent_uss_mb": full.uss / 1e6,
+                "envoy_rss_mb": float(envoy_rss) / 1e6}
+
+    def endpoint_change(self) -> dict[str, float]:
+        """One endpoint of one Service goes (its pod is deleted through the API): the time
+        until Envoy's membership of that cluster shows it, and the agent CPU spent meanwhile."""
+        assert self.agent is not None
+        svc = CHANGED_SERVICE
+        ns, app = namespace_of(svc), f"svc-{svc:05d}"
+        stat = f"cluster.svc|{ns}|{app}|80.membership_total"
+        before = _envoy_stat(self.run_dir, stat)
+        if not before:
+            raise RuntimeError(f"Envoy has no {stat}")
+        path = f"/api/v1/namespaces/{ns}/pods/{app}-7d9f8c6b5-{svc:06d}"  # pod #1: svc 1's
+        cpu0 = _cpu_s(self.agent.pid)
+        started = time.monotonic()
+        req = urllib.request.Request(self.url + path, method="DELETE")
+        urllib.request.urlopen(req, timeout=10).read()
+        while time.monotonic() - started < 60:
+            if _envoy_stat(self.run_dir, stat) == before - 1:
+                took = time.monotonic() - started
+                return {"seconds": took, "agent_cpu_s": _cpu_s(self.agent.pid) - cpu0}
+            time.sleep(0.01)
+        raise RuntimeError(f"{stat} never went from {before} to {before - 1}")
+
+    def log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "agent.log"), errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        for p in (self.agent, self.api):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def run_size(root: str, pods: int, a: argparse.Namespace) -> dict[str, Any]:
+    c = Cluster(root, pods, a.services, a.nodes, a.local)
+    try:
+        progress(f"[{pods} pods] loading the API server …")
+        load_s = c.start_api()
+        progress(f"[{pods} pods] API server ready in {load_s:.1f} s; starting the agent …")
+        ready_s = c.start_agent()
+        assert c.agent is not None and c.api is not None
+        cpu_ready = {"agent_cpu_s": _cpu_s(c.agent.pid), "api_cpu_s": _cpu_s(c.api.pid)}
+        mem_ready = c.memory()
+        time.sleep(5.0)  # settled: the first publish behind it
+        mem = c.memory()
+        change = c.endpoint_change()
+        return {"pods": pods, "services": a.services, "ready_s": ready_s, **cpu_ready,
+                "at_ready": mem_ready, **mem, "endpoint_change": change}
+    except Exception:
+        progress(f"[{pods} pods] agent log tail:\n{c.log()}")
+        raise
+    finally:
+        c.stop()
+
+
+def report(results: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
+    print(f"\nagent at cluster scale: {a.services} Services (one EndpointSlice each), realistic "
+          f"Pods over {a.nodes} nodes ({a.local} on ours), --scope all, Envoy on")
+    head = (f"{'pods':>7} | {'ready s':>7} {'agent CPU':>9} {'API CPU':>7} | "
+            f"{'agent RSS MB':>12} {'USS MB':>7} | "
+            f"{'Envoy RSS MB':>12} | {'1 Service endpoints → Envoy':>28}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        ch = r["endpoint_change"]
+        print(f"{r['pods']:>7} | {r['ready_s']:>7.1f} {r['agent_cpu_s']:>8.1f}s "
+              f"{r['api_cpu_s']:>6.1f}s | {r['agent_rss_mb']:>12.0f} "
+              f"{r['agent_uss_mb']:>7.0f} | {r['envoy_rss_mb']:>12.0f} | "
+              f"{ch['seconds'] * 1000:>8.0f} ms, agent CPU {ch['agent_cpu_s'] * 1000:>5.0f} ms")
+    slope = None
+    if len(results) >= 2:
+        lo, hi = results[0], results[-1]
+        slope = (hi["agent_rss_mb"] - lo["agent_rss_mb"]) / ((hi["pods"] - lo["pods"]) / 10_000)
+        print(f"agent RSS growth: {slope:.1f} MB per 10k pods (between {lo['pods']} and "
+              f"{hi['pods']})")
+    print("  (ready = start → every kind in the model and a cluster per Service in Envoy; agent/API "
+          "CPU = seconds each process used until then, on the same 2 CPUs: the test API server "
+          "is Python and serializes every page, which a real API server does elsewhere)")
+    at = [r for r in results if r["pods"] >= TARGET_AT_PODS]
+    verdict: dict[str, Any] = {"checked": bool(at)}
+    if at:
+        r = at[-1]
+        verdict.update(ready_ok=r["ready_s"] <= TARGET_READY_S,
+                       rss_ok=r["agent_rss_mb"] <= TARGET_RSS_MB)
+        print(f"at {r['pods']} pods: ready {r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
+              f"{'PASS' if verdict['ready_ok'] else 'MISS'}; agent RSS "
+              f"{r['agent_rss_mb']:.0f} MB (target ≤ {TARGET_RSS_MB:g} MB): "
+              f"{'PASS' if verdict['rss_ok'] else 'MISS'}")
+    return {"benchmark": "agent_scale", "machine": machine_info(), "services": a.services,
+            "nodes": a.nodes, "local": a.local, "results": results,
+            "rss_mb_per_10k_pods": slope, "targets": verdict}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.agent_scale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", default="50000,100000", help="comma-separated cluster sizes")
+    ap.add_argument("--services", type=int, default=10_000)
+    ap.add_argument("--nodes", type=int, default=300)
+    ap.add_argument("--local", type=int, default=110)
+    ap.add_argument("--quick", action="store_true", help="CI smoke: --pods 5000 --services 500")
+    ap.add_argument("--json", metavar="OUT")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.pods, a.services = "5000", 500
+    sizes = [int(x) for x in str(a.pods).split(",") if x.strip()]
+    if os.geteuid() != 0:
+        ap.error("needs root (the agent pins netns and runs Envoy)")
+    root = tempfile.mkdtemp(prefix="aether-bench-scale-")
+    ok = False
+    try:
+        results = [run_size(root, n, a) for n in sizes]
+        out = report(results, a)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(dumps(out) + "\n")
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            progress(f"workdir kept: {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
