@@ -141,7 +141,7 @@ class Registry:
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
         self._members: dict[str, set[str]] = {}
-        self._pod_svcs: dict[str, frozenset[str]] = {}
+        self._pod_svcs: dict[str, set[str]] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -355,14 +355,14 @@ class Registry:
                 self._by_identity.setdefault(new.identity, set()).add(key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
-            old_svcs: frozenset[str] = self._pod_svcs.get(key, frozenset())
+            old_svcs = self._pod_svcs.get(key, set())
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
                 self._members.get(s, set()).discard(key)
             for s in new_svcs - old_svcs:
                 self._members.setdefault(s, set()).add(key)
             if new_svcs:
-                self._pod_svcs[key] = shared(frozenset(new_svcs))  # a ReplicaSet's pods share one
+                self._pod_svcs[key] = new_svcs
             else:
                 self._pod_svcs.pop(key, None)
             affected |= old_svcs | new_svcs
@@ -421,13 +421,11 @@ class Registry:
         for k in old - members:
             s = self._pod_svcs.get(k)
             if s is not None:
-                rest = s - {svc_key}
-                if rest:
-                    self._pod_svcs[k] = shared(rest)
-                else:
+                s.discard(svc_key)
+                if not s:
                     del self._pod_svcs[k]
         for k in members - old:
-            self._pod_svcs[k] = shared(self._pod_svcs.get(k, frozenset()) | {svc_key})
+            self._pod_svcs.setdefault(k, set()).add(svc_key)
         self._members[svc_key] = members
         return True
 
