@@ -77,6 +77,11 @@ def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
                 f"{lat['p50_delta_ms_median'] * 1000:+.0f} µs (spread "
                 f"{min(ld) * 1000:+.0f}–{max(ld) * 1000:+.0f})",
                 ("PASS" if lat["target_met"] else "MISS") + " (≤ +0.3 ms)"))
+    em = d.get("envoy_memory")
+    if em:
+        out.append(("envoy_path", f"node Envoy RSS per captured pod ({em['pods']} pods)",
+                    f"{em['per_pod_kb']:.0f} KB", f"no pod: {em['rss0_mb']:.0f} MB", "-",
+                    ("PASS" if em["target_met"] else "MISS") + f" (≤ {em['target_kb']} KB)"))
     nc = dp.get("new_connection_per_request")
     if nc:
         cap = [r["rps"] for r in nc["runs"] if r["mode"] == "captured"]
@@ -122,23 +127,27 @@ def rows_xds_build(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _k(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
 def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
     results = d.get("results", [])
     target = d.get("targets", {})
     for r in results:
         big = r is results[-1] and target.get("checked")
-        out.append(("agent_scale", f"ready, {r['pods'] // 1000}k Pods + {r['services'] // 1000}k "
+        out.append(("agent_scale", f"ready, {_k(r['pods'])} Pods + {_k(r['services'])} "
                     "Services (--scope all)", f"{r['ready_s']:.1f} s",
                     f"agent CPU {r['agent_cpu_s']:.0f} s, API server CPU {r['api_cpu_s']:.0f} s",
                     "-", (("PASS" if target.get("ready_ok") else "MISS") + " (≤ 30 s at 100k)")
                     if big else "-"))
-        out.append(("agent_scale", f"agent RSS, {r['pods'] // 1000}k Pods", f"{r['agent_rss_mb']:.0f} MB",
+        out.append(("agent_scale", f"agent RSS, {_k(r['pods'])} Pods", f"{r['agent_rss_mb']:.0f} MB",
                     f"USS {r['agent_uss_mb']:.0f} MB; Envoy {r['envoy_rss_mb']:.0f} MB", "-",
                     (("PASS" if target.get("rss_ok") else "MISS") + " (≤ 300 MB at 100k)")
                     if big else "-"))
         ch = r["endpoint_change"]
-        out.append(("agent_scale", f"one endpoint gone → Envoy, {r['pods'] // 1000}k Pods",
+        out.append(("agent_scale", f"one endpoint gone → Envoy, {_k(r['pods'])} Pods",
                     f"{ch['seconds'] * 1000:.0f} ms", f"agent CPU {ch['agent_cpu_s'] * 1000:.0f} ms",
                     "-", "-"))
     if d.get("rss_mb_per_10k_pods") is not None:

@@ -74,6 +74,7 @@ EXCLUDE_ANNOTATION = "capture.aether.io/exclude-outbound-ip-ranges"
 TARGET_RPS_RATIO = 0.6
 TARGET_P50_DELTA_MS = 0.3
 TARGET_NEWCONN_RATIO = 0.5
+TARGET_ENVOY_KB_PER_POD = 100  # a sidecar costs tens of MB per pod
 PROBE_TIMEOUT_S = 2.0
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
 SHAPES = ("keepalive", "latency", "newconn")
@@ -299,6 +300,14 @@ def _mean_delta_ms(m0: dict[str, float], m1: dict[str, float], name: str, labels
 
 # -- CPU accounting (where the data-path time goes) --------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int | None) -> float:
+    """Resident bytes of a process (0 when it is gone)."""
+    try:
+        return float(psutil.Process(pid).memory_info().rss) if pid else 0.0
+    except psutil.Error:
+        return 0.0
 
 
 def _proc_cpu(pid: int | None) -> float:
@@ -712,9 +721,14 @@ def main(argv: list[str] | None = None) -> int:
 
         env.start()
         envoy_before = env.envoy_pid()
+        rss0 = _rss(envoy_before)
         for lv in env.levels:
             env.time_add(lv, probe)
         env.verify()
+        captured_n = sum(len(lv.pods) for lv in env.levels)
+        envoy_mem = {"pods": captured_n, "rss0_mb": rss0 / 1e6,
+                     "rss_mb": _rss(env.envoy_pid()) / 1e6}
+        envoy_mem["per_pod_kb"] = (envoy_mem["rss_mb"] - envoy_mem["rss0_mb"]) * 1e3 / captured_n
         if env.envoy_pid() != envoy_before:  # its counters restarted at zero with it
             e = env.agent.status().get("envoy", {})
             raise RuntimeError(f"the node Envoy restarted during the ADD phase (pid "
@@ -739,6 +753,13 @@ def main(argv: list[str] | None = None) -> int:
         machine = {**machine_info(), "envoy": envoy_version(),
                    "background_busy_pct": f"{background:.0f}", "loadavg": _loadavg()}
         result = report(base, env, runs, machine, args)
+        ok_mem = envoy_mem["per_pod_kb"] <= TARGET_ENVOY_KB_PER_POD
+        print(f"\nnode Envoy RSS: {envoy_mem['rss0_mb']:.1f} MB with no pod, "
+              f"{envoy_mem['rss_mb']:.1f} MB with {captured_n} captured pods: "
+              f"{envoy_mem['per_pod_kb']:.0f} KB per pod (target ≤ {TARGET_ENVOY_KB_PER_POD} KB): "
+              f"{'PASS' if ok_mem else 'MISS'}")
+        result["envoy_memory"] = {**{k: round(v, 2) for k, v in envoy_mem.items()},
+                                  "target_kb": TARGET_ENVOY_KB_PER_POD, "target_met": ok_mem}
         result["elapsed_s"] = round(time.monotonic() - t_start, 1)
         print(f"\n(total {result['elapsed_s']:.0f} s)")
         if args.json:
