@@ -1,30 +1,55 @@
-"""Which loopback families a pod netns has, read over netlink inside it (pyroute2).
+"""Which loopback families a pod netns has, found by binding there the way Envoy will.
 
 The pod's capture listener binds 127.0.0.1 and/or [::1] in the pod netns. Asking Envoy for a
 family the pod does not have (IPv6 disabled by sysctl, common on IPv4-only clusters) makes the
-bind fail, Envoy NACK the listener and the ADD fail; so the agent looks first and asks only
-for what exists.
+bind fail, Envoy NACK the listener and the ADD fail; so the agent tries first and asks only
+for what binds. A throwaway bind to port 0 is the direct question (and costs ~0.8 ms against
+~4.5 ms for listing the addresses over netlink, on every ADD with Envoy).
 """
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
 
 from agent.netns.enter import run_in_netns
 
+_SIOCGIFFLAGS = 0x8913
+_IFF_UP = 0x1
+
 
 class NoLoopback(Exception):
-    """Neither 127.0.0.1 nor ::1 exists in the netns: nothing to bind a listener to."""
+    """Neither 127.0.0.1 nor ::1 binds in the netns: nothing to bind a listener to."""
+
+
+def _binds(family: socket.AddressFamily, address: str) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:  # EADDRNOTAVAIL (no such address, lo down), EAFNOSUPPORT (no IPv6)
+        return False
+
+
+def _lo_up() -> bool:
+    """The loopback device is up (with it down, 127.0.0.1 still binds but carries nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("16sH14s", b"lo", 0, b"")
+            flags = struct.unpack("16sH14s", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req))[1]
+        return bool(flags & _IFF_UP)
+    except OSError:
+        return False
 
 
 def loopback_families(netns: str, timeout: float = 5.0) -> tuple[bool, bool]:
-    """(has 127.0.0.1, has ::1) on the netns' loopback; raises NoLoopback when neither."""
-    from pyroute2 import IPRoute
+    """(127.0.0.1 binds, ::1 binds) in the netns, lo up; raises NoLoopback when neither."""
 
     def work() -> tuple[bool, bool]:
-        with IPRoute() as ipr:
-            found = {(a["family"], a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()}
-        return (socket.AF_INET, "127.0.0.1") in found, (socket.AF_INET6, "::1") in found
+        if not _lo_up():
+            return False, False
+        return _binds(socket.AF_INET, "127.0.0.1"), _binds(socket.AF_INET6, "::1")
 
     v4, v6 = run_in_netns(netns, work, timeout=timeout)
     if not (v4 or v6):
