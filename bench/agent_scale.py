@@ -36,6 +36,7 @@ import psutil
 
 from agent.cni import protocol
 from agent.envoy.supervisor import admin_request
+from agent.netns.pin import release_mounts_under
 from bench.common import dumps, machine_info, progress
 from bench.scale_objects import LOCAL_NODE, namespace_of
 from integration.conftest import free_port
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
     finally:
         if ok:
+            release_mounts_under(root)  # the agents' shared <run-dir>/netns mounts
             shutil.rmtree(root, ignore_errors=True)
         else:
             progress(f"workdir kept: {root}")
