@@ -287,12 +287,15 @@ def passthrough_chain(learn_access_log: bool = True, connection_log: bool = Fals
     ``connection_log`` adds the stdout line per connection (``aether-agent run --access-log``);
     ``learn_access_log`` streams every connection to the agent (see ``learn_chains`` for the
     narrow form the agent uses)."""
-    logs = (([_access_log()] if connection_log else [])
-            + ([_grpc_access_log()] if learn_access_log else []))
     return listener_components_pb2.FilterChain(
-        name="passthrough",
-        filters=[_tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)],
-    )
+        name="passthrough", filters=[_passthrough_proxy(learn_access_log, connection_log)])
+
+
+def _passthrough_proxy(learn: bool, connection_log: bool) -> listener_components_pb2.Filter:
+    """tcp_proxy to the ORIGINAL_DST cluster with the stdout line and/or the ALS stream."""
+    logs = (([_access_log()] if connection_log else [])
+            + ([_grpc_access_log()] if learn else []))
+    return _tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)
 
 
 def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
@@ -307,14 +310,13 @@ def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = Fals
         cidr = _cidr(ip)
         if cidr is not None:
             by_port.setdefault(port, []).append(cidr)
-    logs = (([_access_log()] if connection_log else []) + [_grpc_access_log()])
     out = []
     for port, cidrs in sorted(by_port.items()):
         match = listener_components_pb2.FilterChainMatch(prefix_ranges=cidrs)
         match.destination_port.value = port
         out.append(listener_components_pb2.FilterChain(
             name=f"learn-{port}", filter_chain_match=match,
-            filters=[_tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)]))
+            filters=[_passthrough_proxy(True, connection_log)]))
     return tuple(out)
 
 

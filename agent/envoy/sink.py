@@ -66,7 +66,6 @@ class EnvoySink:
         self.hang_timeout = hang_timeout
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
-        import pyroute2  # noqa: F401 - imported once here, not on the first pod's ADD
         self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
         self.node = node
         self.ack_timeout = ack_timeout
