@@ -54,6 +54,8 @@ def run(
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
+    identity_ca_dir: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs this agent signs with DIR/ca.crt + DIR/ca.key (standalone nodes, the demo, tests; not for production clusters). Without an identity provider the mesh hop is plaintext.")] = None,
+    svid_ttl: Annotated[float, typer.Option(help="Lifetime in seconds of the SVIDs signed with --identity-ca-dir (renewed at half life).")] = 3600.0,
     scope: Annotated[str, typer.Option(help="'deps' (the node dependency set) or 'all' Services.")] = "deps",
     learn_ttl: Annotated[float, typer.Option(help="Seconds a Service learned from traffic stays in scope.")] = 600.0,
     repair: Annotated[str, typer.Option(help="Uncaptured managed pods: report (Event) or delete (evict).")] = "report",
@@ -100,12 +102,23 @@ def run(
         from agent.source.kube import KubeSource
         source = KubeSource(kubeconfig=kubeconfig, node_name=node_name)
     sink = None
+    identity = None
+    if identity_ca_dir is not None:
+        if not envoy:
+            raise typer.BadParameter("--identity-ca-dir needs the node Envoy (not --no-envoy)")
+        from agent.identity.ca_dir import CaDirProvider
+        from agent.identity.manager import IdentityManager
+        from agent.identity.svid import IdentityError
+        try:
+            identity = IdentityManager(CaDirProvider(identity_ca_dir, ttl_s=svid_ttl), trust_domain)
+        except IdentityError as e:
+            raise typer.BadParameter(str(e)) from e
     if envoy:
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,
-                         cgroup=proxy.directory if proxy.ok else None)
+                         cgroup=proxy.directory if proxy.ok else None, identity=identity)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):

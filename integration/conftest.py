@@ -66,12 +66,13 @@ class AgentProc:
             yaml.safe_dump_all(objects, f)
 
     def add_pod(self, pod: Pod, labels: dict[str, str] | None = None,
-                annotations: dict[str, str] | None = None) -> None:
+                annotations: dict[str, str] | None = None,
+                service_account: str = "default") -> None:
         self.write(f"pod-{pod.namespace}-{pod.name}.yaml", [{
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
                          "labels": labels or {}, "annotations": annotations or {}},
-            "spec": {"nodeName": "test-node", "serviceAccountName": "default"},
+            "spec": {"nodeName": "test-node", "serviceAccountName": service_account},
         }])
 
     def start(self, env: dict[str, str] | None = None) -> AgentProc:
@@ -258,9 +259,10 @@ class Node:
 
     def pod(self, namespace: str = "app", name: str | None = None,
             labels: dict[str, str] | None = None,
-            annotations: dict[str, str] | None = None) -> Pod:
+            annotations: dict[str, str] | None = None,
+            service_account: str = "default") -> Pod:
         pod = self.kubelet.new_pod(namespace, name or f"p-{uuid.uuid4().hex[:6]}")
-        self.agent.add_pod(pod, labels, annotations)
+        self.agent.add_pod(pod, labels, annotations, service_account)
         self.pods.append(pod)
         return pod
 

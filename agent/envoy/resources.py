@@ -44,6 +44,7 @@ import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -72,6 +73,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, struc
 from google.protobuf.message import Message
 
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
+from agent.envoy import mtls
+from agent.envoy.mtls import MeshTls
 from agent.scope.model import Endpoint, ServiceView
 from agent.scope.services import ServicePort
 
@@ -150,6 +153,14 @@ class PodListener:
     ipv6: bool = True
     # The pod's namespace: picks the internal listener (caller-namespace chain table).
     namespace: str = DEFAULT_NAMESPACE
+    # Its ServiceAccount (the mesh identity it calls and is called as) and addresses (what
+    # its inbound mTLS listener delivers to); used only with ``NodeXdsState.mesh_tls``.
+    service_account: str = "default"
+    ips: tuple[str, ...] = ()
+
+    @property
+    def identity(self) -> str:
+        return f"{self.namespace or DEFAULT_NAMESPACE}/{self.service_account or 'default'}"
 
     @property
     def listener_name(self) -> str:
@@ -184,6 +195,10 @@ class NodeXdsState:
     # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
     # same object while routes are unchanged, so unchanged chains are reused.
     gamma: Any = None
+    # Mesh identity (agent.envoy.mtls.MeshTls): Service traffic becomes mTLS over CONNECT to
+    # the endpoint pod's inbound port, every captured pod gets its inbound listener. None:
+    # no identity provider, Service traffic goes to the endpoints in plaintext.
+    mesh_tls: MeshTls | None = None
 
 
 def service_cluster_name(namespace: str, name: str, port: int) -> str:
@@ -408,12 +423,14 @@ def detect_ports(gamma: Any, services: Sequence[ServiceView]) -> tuple[int, ...]
 
 
 def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float,
-                          mark: int = PASSTHROUGH_MARK) -> cluster_pb2.Cluster:
+                          mark: int = PASSTHROUGH_MARK, tunnel: bool = False) -> cluster_pb2.Cluster:
     """EDS cluster over ADS. Panic mode is off so DRAINING/UNHEALTHY hosts never get
     new connections even when most hosts are out (Kubernetes readiness semantics). It also
     carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
     backends); tcp_proxy ignores it. Upstream sockets are opened in the calling pod's netns
-    with the mark, pooled per downstream connection (``upstream_bind_config``)."""
+    with the mark, pooled per downstream connection (``upstream_bind_config``).
+    ``tunnel`` (mesh identity on): the endpoints are ``hbone-out`` internal addresses instead
+    and the pod's netns travels there in filter state (``agent.envoy.mtls``)."""
     from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
 
     name = service_cluster_name(view.namespace, view.name, port)
@@ -429,9 +446,12 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
                 resource_api_version=config_source_pb2.V3,
             ),
         ),
-        upstream_bind_config=upstream_bind_config(mark),
         connection_pool_per_downstream_connection=True,
     )
+    if tunnel:
+        cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
+    else:
+        cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
     sp = next((p for p in view.ports if p.port == port), None)
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
@@ -446,7 +466,10 @@ def endpoint_health(ep: Endpoint) -> int:
     return int(health_check_pb2.HEALTHY if ep.ready else health_check_pb2.UNHEALTHY)
 
 
-def _lb_endpoint(ep: Endpoint) -> endpoint_components_pb2.LbEndpoint:
+def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
+    if tunnel:
+        return mtls.tunnel_lb_endpoint(ep.ip, ep.port, ep.san, endpoint_health(ep),
+                                       {"identity": ep.sa_identity, "pod": ep.pod})
     lb = endpoint_components_pb2.LbEndpoint(
         endpoint=endpoint_components_pb2.Endpoint(
             address=address_pb2.Address(
@@ -463,8 +486,8 @@ def _lb_endpoint(ep: Endpoint) -> endpoint_components_pb2.LbEndpoint:
     return lb
 
 
-def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...]
-                          ) -> endpoint_pb2.ClusterLoadAssignment:
+def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
+                          tunnel: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
     """One locality, endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts)."""
     seen: set[tuple[str, int]] = set()
     lbs = []
@@ -472,7 +495,7 @@ def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...]
         if (ep.ip, ep.port) in seen:
             continue
         seen.add((ep.ip, ep.port))
-        lbs.append(_lb_endpoint(ep))
+        lbs.append(_lb_endpoint(ep, tunnel))
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
     if lbs:
         cla.endpoints.add(lb_endpoints=lbs)
@@ -497,7 +520,8 @@ def _state_value(key: str, fmt: str, factory: str = "", transitive: bool = False
     )
 
 
-def _capture_chain(pod: PodListener) -> listener_components_pb2.FilterChain:
+def _capture_chain(pod: PodListener, mesh_identity: bool = False
+                   ) -> listener_components_pb2.FilterChain:
     """Hand the connection, its original destination/source and the pod listener name to
     the pod namespace's internal listener (filter state shared with the upstream once), and
     the pod's netns path to every hop after it (transitive), so the final upstream socket is
@@ -507,6 +531,7 @@ def _capture_chain(pod: PodListener) -> listener_components_pb2.FilterChain:
         _state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
         _state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
         _state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, transitive=True),
+        *([mtls.caller_state(pod.identity)] if mesh_identity else []),
     ])
     state_filter = listener_components_pb2.Filter(name="envoy.filters.network.set_filter_state")
     state_filter.typed_config.Pack(sfs)
@@ -516,9 +541,11 @@ def _capture_chain(pod: PodListener) -> listener_components_pb2.FilterChain:
     )
 
 
-def build_listener(pod: PodListener, capture_port: int) -> listener_pb2.Listener:
+def build_listener(pod: PodListener, capture_port: int, mesh_identity: bool = False
+                   ) -> listener_pb2.Listener:
     """The pod's capture listener on the loopbacks of its netns (v4 and/or v6): constant
-    size, independent of the Services (they live in the namespace's internal listener)."""
+    size, independent of the Services (they live in the namespace's internal listener).
+    ``mesh_identity``: the pod's SVID is held, its mesh connections carry its identity."""
     ips = (["127.0.0.1"] if pod.ipv4 else []) + (["::1"] if pod.ipv6 else [])
     if not ips:
         raise ValueError(f"pod {pod.uid}: at least one of ipv4/ipv6 must be enabled")
@@ -528,7 +555,7 @@ def build_listener(pod: PodListener, capture_port: int) -> listener_pb2.Listener
         stat_prefix=pod.listener_name,
         address=addrs[0],
         listener_filters=[_original_dst_filter()],
-        default_filter_chain=_capture_chain(pod),
+        default_filter_chain=_capture_chain(pod, mesh_identity),
     )
     for a in addrs[1:]:
         listener.additional_addresses.add().address.CopyFrom(a)
@@ -747,8 +774,8 @@ class _ServiceTables:
     """The outcome of one pass over the Services (reused while they are the same objects)."""
 
     views: tuple[ServiceView, ...]
-    # (connect timeout, passthrough mark): what every Service cluster is built with
-    timeout: tuple[float, int]
+    # (connect timeout, passthrough mark, tunnel): what every Service cluster is built with
+    timeout: tuple[float, int, bool]
     clusters: dict[str, Message]
     assignments: dict[str, Message]
     # (entry, port, shared chain bytes or None) in table order, clash-free
@@ -784,17 +811,21 @@ class ResourceBuilder:
         self._ns_listeners: dict[str, tuple[bytes, tuple[bool, bool, tuple[int, ...]],
                                              RawResource, bytes]] = {}
         self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
-        self._pod_listeners: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
+        self._pod_listeners: dict[tuple[Any, ...], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
         self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
         self._gamma: Any = None
         self._detect: tuple[int, ...] = ()
         # (targets, connection log, claimed) -> the learn chains' bytes
         self._learn: tuple[tuple[Any, ...], bytes] = ((), b"")
+        # resources that depend only on their key (mTLS listeners and clusters)
+        self._fixed_cache: dict[Any, Any] = {}
+        self._fixed_used: set[Any] = set()
+        self._secrets: tuple[Any, dict[str, Message]] = ((), {})
 
     # ---- Services ------------------------------------------------------------------------
 
-    def _service(self, view: ServiceView, timeout: tuple[float, int]) -> _ServiceEntry:
+    def _service(self, view: ServiceView, timeout: tuple[float, int, bool]) -> _ServiceEntry:
         old = self._services.get(view.key)
         sig = gamma_signature(self._gamma, view.key)
         if old is not None and old.view is view and old.cluster_key[-1] == timeout \
@@ -827,16 +858,17 @@ class ResourceBuilder:
         for p in tcp_ports:
             name = service_cluster_name(view.namespace, view.name, p.port)
             eps = view.endpoints.get(p.port, ())
-            prev = old.eds.get(name) if old is not None else None
+            prev = (old.eds.get(name) if old is not None and old.cluster_key[-1] == timeout
+                    else None)
             eds[name] = prev if prev is not None and prev[0] == eps else (
-                eps, _raw(build_load_assignment(name, eps), name))
+                eps, _raw(build_load_assignment(name, eps, timeout[2]), name))
         entry = _ServiceEntry(view, chain_key, ports, cluster_key, clusters, eds, per_caller)
         self._services[view.key] = entry
         return entry
 
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
-        opts = (state.connect_timeout_s, state.passthrough_mark)
+        opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None)
         if old is not None and old.timeout == opts \
                 and _same(old.views, state.services) and old.gamma is state.gamma:
             return old
@@ -943,19 +975,38 @@ class ResourceBuilder:
 
         seen: set[str] = set()
         listeners: dict[str, Message] = {}
-        cache: dict[tuple[PodListener, int], listener_pb2.Listener] = {}
+        cache: dict[tuple[Any, ...], listener_pb2.Listener] = {}
+        tls = state.mesh_tls
+        held = tls.svids if tls is not None else {}
         for pod in pods:
             if pod.uid in seen:
                 raise ValueError(f"duplicate pod uid {pod.uid}")
             seen.add(pod.uid)
-            k = (pod, state.capture_port)
+            has_id = pod.identity in held
+            k = (pod, state.capture_port, has_id)
             lis = self._pod_listeners.get(k)
             if lis is None:
-                lis = build_listener(pod, state.capture_port)
+                lis = build_listener(pod, state.capture_port, has_id)
             cache[k] = lis
             listeners[pod.listener_name] = lis
+            if tls is not None and has_id and pod.ips:
+                # the SVID and bundle contents are not part of the listener (SDS), so the
+                # key is what the listener's bytes depend on
+                ik = (pod, tls.inbound_port, tls.trust_domain, state.capture_port)
+                inbound = self._pod_listeners.get(ik)
+                if inbound is None:
+                    inbound = mtls.build_inbound_listener(
+                        pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4,
+                        pod.ipv6, forbidden_ports=(state.capture_port,))
+                cache[ik] = inbound
+                listeners[mtls.inbound_listener_name(pod.uid)] = inbound
         self._pod_listeners = cache
         listeners.update(ns_listeners)
+        if tls is not None:
+            listeners[mtls.HBONE_OUT_LISTENER] = self._fixed(
+                "hbone-out", lambda: mtls.build_hbone_out_listener())
+            listeners[mtls.INBOUND_INNER] = self._fixed(
+                "inbound-inner", lambda: mtls.build_inbound_inner_listener())
 
         pt_key = (state.passthrough_mark, state.connect_timeout_s)
         if self._passthrough is None or self._passthrough[0] != pt_key:
@@ -969,6 +1020,24 @@ class ResourceBuilder:
             ns_clusters[c.name] = c
         self._ns_clusters = {k: c for k, c in self._ns_clusters.items() if c.name in ns_clusters
                              and k[1] == state.connect_timeout_s}
+        if tls is not None:
+            t = state.connect_timeout_s
+            bind_key = (state.passthrough_mark, t)
+            for identity in sorted({p.identity for p in pods if p.identity in held}):
+                ns_clusters[mtls.hbone_cluster_name(identity)] = self._fixed(
+                    ("hbone", identity, tls.trust_domain, tls.inbound_port, bind_key),
+                    partial(mtls.build_hbone_cluster, identity, tls,
+                            upstream_bind_config(state.passthrough_mark), t))
+            ns_clusters[mtls.INBOUND_INNER] = self._fixed(
+                ("inbound-inner", t), lambda: mtls.build_inbound_inner_cluster(t))
+            ns_clusters[mtls.INBOUND_DELIVER_CLUSTER] = self._fixed(
+                ("inbound-deliver", bind_key), lambda: mtls.build_inbound_deliver_cluster(
+                    upstream_bind_config(state.passthrough_mark), t))
+            secrets = self._secrets_for(tls)
+        else:
+            secrets = {}
+        self._fixed_cache = {k: v for k, v in self._fixed_cache.items() if k in self._fixed_used}
+        self._fixed_used = set()
         out_key = (id(tables.clusters), id(self._passthrough[1]),
                    tuple(id(c) for c in ns_clusters.values()))
         if self._cluster_out is None or self._cluster_out[0] != out_key:
@@ -977,10 +1046,26 @@ class ResourceBuilder:
             clusters.update(ns_clusters)
             self._cluster_out = (out_key, dict(sorted(clusters.items())))
         return {
+            mtls.SECRET_TYPE: secrets,
             CLUSTER_TYPE: self._cluster_out[1],
             ENDPOINT_TYPE: tables.assignments,
             LISTENER_TYPE: dict(sorted(listeners.items())),
         }
+
+    def _fixed(self, key: Any, make: Any) -> Any:
+        """A resource that depends only on ``key``: built once, the same object while used."""
+        self._fixed_used.add(key)
+        got = self._fixed_cache.get(key)
+        if got is None:
+            got = self._fixed_cache[key] = make()
+        return got
+
+    def _secrets_for(self, tls: MeshTls) -> dict[str, Message]:
+        """SDS resources, the same dict while the SVIDs and bundle are the same objects."""
+        key = (tuple(sorted((k, id(v)) for k, v in tls.svids.items())), tls.bundle_pem)
+        if self._secrets[0] != key:
+            self._secrets = (key, dict(mtls.build_secrets(tls)))
+        return self._secrets[1]
 
 
 def build_resources(state: NodeXdsState, builder: ResourceBuilder | None = None

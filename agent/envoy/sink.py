@@ -29,6 +29,7 @@ from agent.envoy.listener_view import (
 from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.xds import XdsServer
+from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
 from agent.netns.families import NoLoopback, loopback_families
 from agent.state import CapturedPod
@@ -54,15 +55,18 @@ def pod_listener(pod: CapturedPod) -> PodListener:
     disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind)."""
     v4, v6 = loopback_families(pod.netns)
     return PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
-                       ipv4=v4, ipv6=v6)
+                       ipv4=v4, ipv6=v6, service_account=pod.service_account or "default",
+                       ips=tuple(ip.split("/")[0] for ip in pod.ips))
 
 
 class EnvoySink:
     def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int | None = None,
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
                  hang_timeout: float = 15.0, cgroup: str | None = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, identity: IdentityManager | None = None) -> None:
         self.access_log = access_log  # a stdout line per passthrough connection
+        # the SVIDs of this node's identities (mTLS mesh hop); None: plaintext mesh
+        self.identity = identity
         self.hang_timeout = hang_timeout
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
@@ -122,7 +126,11 @@ class EnvoySink:
                     log.warning("cannot read the loopback of recorded pod %s (%s): serving "
                                 "both families until reconcile settles it", pod.key, e)
                     self._pods[pod.container_id] = PodListener(
-                        uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace)
+                        uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
+                        service_account=pod.service_account or "default",
+                        ips=tuple(ip.split("/")[0] for ip in pod.ips))
+                if self.identity is not None:
+                    self.identity.attach(self._pods[pod.container_id].identity, pod.key)
 
     def start(self) -> None:
         self.supervisor.check_version()
@@ -138,6 +146,20 @@ class EnvoySink:
         else:
             self._spawn()
         threading.Thread(target=self._watchdog, name="envoy-watchdog", daemon=True).start()
+        if self.identity is not None:
+            threading.Thread(target=self._renewer, name="svid-renewer", daemon=True).start()
+
+    def _renewer(self) -> None:
+        """Renew SVIDs at half life (and retry failed ones); each change is pushed over SDS.
+        Envoy uses a rotated certificate for new handshakes; open connections keep going."""
+        assert self.identity is not None
+        while not self._stopping.wait(min(5.0, max(0.05, self.identity.next_due()))):
+            try:
+                if self.identity.renew_due():
+                    with self._lock:
+                        self._publish()
+            except Exception:  # noqa: BLE001 - the renewer must outlive one bad round
+                log.exception("SVID renewal failed")
 
     def _watchdog(self) -> None:
         """A hung Envoy (SIGSTOP, deadlock) keeps its sockets open: the kernel still accepts
@@ -315,7 +337,8 @@ class EnvoySink:
                              capture_port=self.node.capture_port,
                              passthrough_mark=self.node.passthrough_mark,
                              services=self._services, gamma=self._gamma,
-                             connection_log=self.access_log, learn_targets=self._learnable)
+                             connection_log=self.access_log, learn_targets=self._learnable,
+                             mesh_tls=self.identity.mesh_tls() if self.identity else None)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
@@ -349,6 +372,9 @@ class EnvoySink:
             listener = pod_listener(pod)
         except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
             raise ListenerNotConfirmed(f"cannot read the loopback of {pod.key}: {e}") from e
+        if self.identity is not None:
+            # issued before the listeners that name it: Envoy gets the secret first
+            self.identity.attach(listener.identity, pod.key)
         with self._lock:
             self._rejected.pop(pod.container_id, None)
             self._pods[pod.container_id] = listener
@@ -363,7 +389,8 @@ class EnvoySink:
         closed instead (redirect rules stay, nothing listens) and status names the reason."""
         if type_url == LISTENER_TYPE:
             with self._lock:
-                named = [cid for cid in self._pods if nack_names(f"capture-{cid}", detail)]
+                named = [cid for cid in self._pods if nack_names(f"capture-{cid}", detail)
+                         or nack_names(f"inbound-{cid}", detail)]
                 for cid in named:
                     del self._pods[cid]
                     self._rejected[cid] = detail.strip()
@@ -415,8 +442,11 @@ class EnvoySink:
         socket Envoy still holds only keeps the dead pod's netns alive, it captures nothing."""
         with self._lock:
             self._rejected.pop(pod.container_id, None)
-            if self._pods.pop(pod.container_id, None) is None:
+            gone = self._pods.pop(pod.container_id, None)
+            if gone is None:
                 return
+            if self.identity is not None:
+                self.identity.detach(gone.identity, pod.key)
             self._removals[pod.container_id] = self._publish()
 
     def _acked(self, version: str) -> bool:
@@ -469,4 +499,5 @@ class EnvoySink:
             "netns_restarts": self.netns_restarts,
             "pending_removals": self.pending_removals(),
             "degraded": bool(sup.get("degraded")) or not ready,
+            "identity": self.identity.status() if self.identity is not None else None,
         }

@@ -34,6 +34,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
 from agent.envoy.als import AccessCallback, AccessLogServicer, add_access_log_servicer
+from agent.envoy.mtls import SECRET_TYPE
 from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -44,10 +45,11 @@ from agent.envoy.resources import (
     resource_hash,
 )
 
-# xDS ordering: clusters, then their endpoints, then the listeners that reference them.
-TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
+# xDS ordering: secrets (SDS), clusters, then their endpoints, then the listeners that
+# reference them.
+TYPE_ORDER = (SECRET_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
 # Types Envoy subscribes to by resource name (never wildcard).
-NAMED_TYPES = frozenset({ENDPOINT_TYPE})
+NAMED_TYPES = frozenset({ENDPOINT_TYPE, SECRET_TYPE})
 
 Resources = dict[str, dict[str, Message]]
 

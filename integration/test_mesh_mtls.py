@@ -1,0 +1,182 @@
+"""The mesh hop with identity (#16): a captured client calling a Service reaches the backend
+pod's inbound listener as mTLS over HTTP/2 CONNECT, presenting its own SVID and accepting
+only the backend's SAN; the backend application sees the caller's SPIFFE ID."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.identity.ca_dir import CaDirProvider, make_ca
+from agent.netns.enter import run_in_netns
+from agent.testing.netutil import http_echo_server, http_get_from
+from integration.conftest import EnvoyNode
+from integration.wire import Sniffer
+
+SVC_IP = "10.96.70.10"
+TD = "cluster.local"
+
+
+@pytest.fixture
+def mnode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    ca = os.path.join(workdir, "ca")
+    make_ca(ca, TD)
+    n = EnvoyNode(workdir, bridge_name, extra=["--identity-ca-dir", ca, "--trust-domain", TD])
+    n.agent.start()
+    n.wait_ready()
+    yield n
+    n.cleanup()
+    n.agent.stop()
+    assert "Traceback" not in n.agent.logs()
+
+
+def _service(node: EnvoyNode, name: str = "echo", ip: str = SVC_IP, app: str = "echo") -> None:
+    node.agent.write(f"svc-{name}.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
+        "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": app},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
+
+
+def _get_ok(netns: str, ip: str, deadline_s: float = 20.0) -> tuple[int, dict[str, str], bytes]:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        got = http_get_from(netns, ip, 80, count=1, timeout=3)[0]
+        if got[0] == 200 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.3)
+
+
+def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) -> None:
+    _service(mnode)
+    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server",
+                       annotations={"aether.io/dependencies": "app/echo"})
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/echo"})
+    mnode.add(server)
+    mnode.add(client)
+    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    try:
+        first_ok = _get_ok(client.netns, SVC_IP)
+        assert first_ok[0] == 200
+        with Sniffer(server.netns) as wire:
+            status, _headers, body = http_get_from(
+                client.netns, SVC_IP, 80, headers={"x-forwarded-client-cert": "URI=forged"})[0]
+        assert status == 200, body
+        seen: dict[str, Any] = json.loads(body)
+        xfcc = seen["headers"].get("x-forwarded-client-cert", "")
+        # the caller's identity, set by the server side's proxy; the client's forged value gone
+        assert f"URI=spiffe://{TD}/ns/app/sa/client" in xfcc, xfcc
+        assert f"By=spiffe://{TD}/ns/app/sa/server" in xfcc, xfcc
+        assert "forged" not in xfcc
+        hop = wire.between(client.ip(), server.ip())
+        data = [s for s in hop if s.payload]
+        assert data, "no segment between the pods was seen"
+        # everything went to the inbound port; the first client payload is a TLS handshake
+        assert {s.dport for s in data if s.src == client.ip()} == {15008}
+        first = next(s for s in data if s.src == client.ip())
+        assert first.payload[:1] == b"\x16" and first.payload[5:6] == b"\x01"  # ClientHello
+        assert not any(b"GET /" in s.payload or b"forged" in s.payload for s in hop)
+    finally:
+        srv.shutdown()
+    ids = {r["identity"]: r for r in mnode.agent.status()["envoy"]["identity"]["svids"]}
+    assert set(ids) == {"app/client", "app/server"}
+    assert ids["app/client"]["spiffe_id"] == f"spiffe://{TD}/ns/app/sa/client"
+    assert ids["app/client"]["pods"] == ["app/client"]
+
+
+class TlsImposter:
+    """A TLS server on :15008 in a pod netns presenting an SVID of ``spiffe_id`` (signed by
+    the mesh CA): what a pod of another ServiceAccount could present for a backend's address.
+    Records each handshake's outcome and whether any bytes followed it."""
+
+    def __init__(self, netns: str, ca_dir: str, spiffe_id: str) -> None:
+        svid = CaDirProvider(ca_dir).issue(spiffe_id, time.time())
+        d = os.path.join(ca_dir, spiffe_id.rsplit("/", 1)[1])
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "crt.pem"), "w") as f:
+            f.write(svid.cert_chain_pem)
+        with open(os.path.join(d, "key.pem"), "w") as f:
+            f.write(svid.key_pem)
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(os.path.join(d, "crt.pem"), os.path.join(d, "key.pem"))
+        self.ctx.set_alpn_protocols(["h2"])
+        self.outcomes: list[str] = []
+
+        def listen() -> socket.socket:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", 15008))
+            s.listen(16)
+            s.settimeout(0.2)
+            return s
+
+        self.sock = run_in_netns(netns, listen)
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            conn.settimeout(2)
+            try:
+                tls = self.ctx.wrap_socket(conn, server_side=True)
+                data = tls.recv(64)
+                self.outcomes.append("data" if data else "handshake-then-close")
+                tls.close()
+            except (ssl.SSLError, OSError) as e:
+                self.outcomes.append(f"refused: {type(e).__name__}")
+                conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def _remote_backend(node: EnvoyNode, ip: str, sa: str) -> None:
+    """A backend pod of Service echo on another node, as the API reports it: its address is
+    ``ip`` and its ServiceAccount ``sa``."""
+    node.agent.write("pod-remote-server.yaml", [{
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "remote-server", "namespace": "app", "uid": "u-remote",
+                     "labels": {"app": "echo"}},
+        "spec": {"nodeName": "other-node", "serviceAccountName": sa},
+        "status": {"podIP": ip, "podIPs": [{"ip": ip}], "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]}}])
+
+
+@pytest.mark.parametrize("presented,accepted", [("evil", False), ("server", True)])
+def test_a_pod_of_another_service_account_cannot_pose_as_the_backend(
+        mnode: EnvoyNode, presented: str, accepted: bool) -> None:
+    _service(mnode)
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/echo"})
+    imposter = mnode.pod(namespace="plain", name="imposter")  # not in the mesh: no listener
+    mnode.add(client)
+    mnode.add(imposter)
+    _remote_backend(mnode, imposter.ip(), "server")
+    server = TlsImposter(imposter.netns, os.path.join(mnode.agent.workdir, "ca"),
+                         f"spiffe://{TD}/ns/app/sa/{presented}")
+    try:
+        deadline = time.monotonic() + 20
+        while not server.outcomes and time.monotonic() < deadline:
+            http_get_from(client.netns, SVC_IP, 80, count=1, timeout=2)
+            time.sleep(0.2)
+        assert server.outcomes, "the client never reached the backend address"
+        if accepted:  # same CA, the backend's SAN: the tunnel opens (HTTP/2 preface follows)
+            assert "data" in server.outcomes, server.outcomes
+        else:  # same CA, another SAN: refused in the handshake, not one byte of the request
+            assert all(o != "data" for o in server.outcomes), server.outcomes
+            assert mnode.stat("cluster.hbone|app|client.ssl.fail_verify_san") >= 1
+    finally:
+        server.close()
