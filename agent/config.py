@@ -39,6 +39,11 @@ class NodeConfig:
     # Why there is no proxy cgroup match on this host (None when there is one): the node is
     # reported degraded, since pods could then forge the mark.
     proxy_cgroup_problem: str | None = None
+    # The node's own addresses (its netns at agent start): STRICT pods accept plaintext from
+    # these only, which is where kubelet's health probes come from.
+    node_addresses: tuple[str, ...] = ()
+    # Where captured pods accept the mesh hop (mTLS, HTTP/2 CONNECT).
+    inbound_port: int = 15008
 
     @property
     def cni_socket(self) -> str:

@@ -166,7 +166,9 @@ class EnrollmentLoop:
 
     def run_once(self) -> list[Step]:
         store = self.handler.store
-        steps = plan(store.all(), store.all_seen(), self.lookup, self.node)
+        node = (self.handler.strict_node() if hasattr(self.handler, "strict_node")
+                else self.node)  # the node's current addresses, as STRICT ADDs saw them
+        steps = plan(store.all(), store.all_seen(), self.lookup, node)
         self.passes += 1
         self.last_steps = steps
         for step in steps:

@@ -180,3 +180,43 @@ def test_a_pod_of_another_service_account_cannot_pose_as_the_backend(
             assert mnode.stat("cluster.hbone|app|client.ssl.fail_verify_san") >= 1
     finally:
         server.close()
+
+
+def _host_get(ip: str, port: int) -> int:
+    """A GET from the node's own netns, as kubelet's HTTP probe makes it."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}/healthz", timeout=3) as r:
+            return int(r.status)
+    except OSError:
+        return 0
+
+
+@pytest.mark.parametrize("mode", ["strict", "permissive"])
+def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
+        mnode: EnvoyNode, mode: str) -> None:
+    _service(mnode)
+    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server",
+                       annotations={"security.aether.io/peer-authentication": mode})
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/echo"})
+    outsider = mnode.pod(namespace="plain", name="outsider")  # not in the mesh
+    for p in (server, client, outsider):
+        mnode.add(p)
+    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    try:
+        # a meshed client gets through either way, over mTLS, and is named
+        status, _h, body = _get_ok(client.netns, SVC_IP)
+        assert status == 200, body
+        assert "sa/client" in json.loads(body)["headers"]["x-forwarded-client-cert"]
+        # the node (kubelet's probes) in plaintext, either way
+        assert _host_get(server.ip(), 8080) == 200
+        # a pod outside the mesh, straight to the pod's port
+        direct = http_get_from(outsider.netns, server.ip(), 8080, count=1, timeout=3)[0]
+        if mode == "strict":
+            assert direct[0] == 0 and "Connection" in direct[1]["error"], direct
+        else:
+            assert direct[0] == 200
+            assert "x-forwarded-client-cert" not in json.loads(direct[2])["headers"]
+    finally:
+        srv.shutdown()

@@ -17,6 +17,9 @@ MANAGED_LABEL = "aether.io/managed"
 ANN_REDIRECT_ALL = "capture.aether.io/redirect-all"
 ANN_EXCLUDE_PORTS = "capture.aether.io/exclude-outbound-ports"
 ANN_EXCLUDE_RANGES = "capture.aether.io/exclude-outbound-ip-ranges"
+# Peer authentication (#16): on the pod, else on its namespace, else permissive.
+ANN_PEER_AUTH = "security.aether.io/peer-authentication"
+PEER_AUTH_MODES = ("permissive", "strict")
 
 #: Always returned before the redirect: loopback, link-local (cloud metadata), multicast.
 BUILTIN_EXCLUDED_V4 = ("127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4")
@@ -54,6 +57,13 @@ class CapturePolicy:
     # offers no unforgeable match and the RETURN is by mark alone (reported as degraded).
     proxy_cgroup: str | None = None
     proxy_cgroup_level: int = 0
+    # STRICT peer authentication: new inbound TCP connections are refused unless they come
+    # to the inbound (mTLS) port, over the pod's loopback (the proxy delivering), or from the
+    # node's own addresses (kubelet probes).
+    strict: bool = False
+    inbound_port: int = 15008
+    node_sources_v4: tuple[str, ...] = ()
+    node_sources_v6: tuple[str, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -71,6 +81,10 @@ class CapturePolicy:
             "exclude_v6": list(self.exclude_v6),
             "proxy_cgroup": self.proxy_cgroup,
             "proxy_cgroup_level": self.proxy_cgroup_level,
+            # only for STRICT: a permissive policy keeps the hash (and table comment) it had
+            **({"strict": True, "inbound_port": self.inbound_port,
+                "node_sources_v4": list(self.node_sources_v4),
+                "node_sources_v6": list(self.node_sources_v6)} if self.strict else {}),
         }
 
     @classmethod
@@ -89,6 +103,10 @@ class CapturePolicy:
             proxy_cgroup=(None if data.get("proxy_cgroup") is None
                           else str(data.get("proxy_cgroup"))),
             proxy_cgroup_level=int(str(data.get("proxy_cgroup_level") or 0)),
+            strict=bool(data.get("strict", False)),
+            inbound_port=int(str(data.get("inbound_port") or 15008)),
+            node_sources_v4=tuple(str(x) for x in data.get("node_sources_v4") or []),  # type: ignore[attr-defined]
+            node_sources_v6=tuple(str(x) for x in data.get("node_sources_v6") or []),  # type: ignore[attr-defined]
         )
 
 
@@ -226,6 +244,8 @@ def decide(
             )
         else:
             redirect_all = parsed
+    strict, auth_problems = peer_authentication(ann, namespace.annotations if namespace else {})
+    problems += auth_problems
     ports, port_problems = parse_ports(ann.get(ANN_EXCLUDE_PORTS, ""))
     v4, v6, cidr_problems = parse_cidrs(ann.get(ANN_EXCLUDE_RANGES, ""))
     problems += port_problems + cidr_problems
@@ -240,5 +260,27 @@ def decide(
         exclude_v6=v6,
         proxy_cgroup=node.proxy_cgroup,
         proxy_cgroup_level=node.proxy_cgroup_level,
+        strict=strict,
+        inbound_port=node.inbound_port if strict else CapturePolicy.inbound_port,
+        node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if strict else (),
+        node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if strict else (),
     )
     return CaptureDecision(True, why, policy, tuple(problems))
+
+
+def peer_authentication(pod_annotations: dict[str, str], ns_annotations: dict[str, str]
+                        ) -> tuple[bool, list[AnnotationProblem]]:
+    """STRICT or not: the pod's annotation, else its namespace's, else permissive. A value
+    that is neither mode fails closed (strict) and is reported: guessing permissive would let
+    plaintext in where the owner asked for it to be refused."""
+    for source, ann in (("pod", pod_annotations), ("namespace", ns_annotations)):
+        if ANN_PEER_AUTH not in ann:
+            continue
+        raw = ann[ANN_PEER_AUTH]
+        value = raw.strip().lower()
+        if value in PEER_AUTH_MODES:
+            return value == "strict", []
+        return True, [AnnotationProblem(
+            ANN_PEER_AUTH, raw, f"{source} annotation: expected \"permissive\" or \"strict\"; "
+            "strict applies until it is fixed")]
+    return False, []

@@ -80,6 +80,28 @@ def render_rules(policy: CapturePolicy) -> list[str]:
     return rules
 
 
+INBOUND_CHAIN = "inbound"
+
+
+def render_inbound_rules(policy: CapturePolicy) -> list[str]:
+    """STRICT: the input chain that refuses plaintext from outside the mesh. Only a new
+    connection's SYN is judged (replies to the pod's own connections pass); loopback is the
+    proxy delivering a mesh connection; the node's addresses are kubelet's probes."""
+    rules = [
+        'meta iifname "lo" accept comment "loopback (the proxy delivering)"',
+        f'tcp dport {policy.inbound_port} accept comment "mesh hop (mTLS)"',
+    ]
+    if policy.node_sources_v4:
+        rules.append(f'ip saddr {_set(list(policy.node_sources_v4))} accept '
+                     'comment "the node (kubelet probes)"')
+    if policy.node_sources_v6:
+        rules.append(f'ip6 saddr {_set(list(policy.node_sources_v6))} accept '
+                     'comment "the node (kubelet probes)"')
+    rules.append('tcp flags & (syn | ack) == syn reject with tcp reset '
+                 'comment "strict: plaintext from outside the mesh"')
+    return rules
+
+
 def render_create(policy: CapturePolicy) -> str:
     """The first ADD into a netns: create the table plainly (fails if one exists, then the
     replace form of render_ruleset applies). Deleting a hooked table inside the replace
@@ -97,6 +119,13 @@ def _comment(policy: CapturePolicy) -> str:
 def render_table(policy: CapturePolicy) -> str:
     """The full table definition (no replace preamble)."""
     body = "\n".join(f"\t\t{r}" for r in render_rules(policy))
+    inbound = ""
+    if policy.strict:
+        rules = "\n".join(f"\t\t{r}" for r in render_inbound_rules(policy))
+        inbound = (f"\tchain {INBOUND_CHAIN} {{\n"
+                   "\t\ttype filter hook input priority 0; policy accept;\n"
+                   f"{rules}\n"
+                   "\t}\n")
     return (
         f"table {TABLE_FAMILY} {TABLE_NAME} {{\n"
         f"\tcomment {_comment(policy)}\n"
@@ -104,6 +133,7 @@ def render_table(policy: CapturePolicy) -> str:
         "\t\ttype nat hook output priority -100; policy accept;\n"
         f"{body}\n"
         "\t}\n"
+        f"{inbound}"
         "}\n"
     )
 

@@ -7,6 +7,7 @@ ADD returns only after the listener sink (Envoy) confirms the pod's listener is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -334,6 +335,11 @@ class CniHandler:
             return False
         pod, namespace = looked
         decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        if decision.policy is not None and decision.policy.strict:
+            # STRICT exempts the node's addresses (kubelet probes): read them now, a bridge
+            # CNI may have given the node its gateway address in this very ADD
+            decision = decide(pod, namespace, self.strict_node(max_age=0.0),
+                              self._redirect_all_default(req["netconf"]))
         if not cid.startswith("discovered-"):
             self.last_redirect_all_default = self._redirect_all_default(req["netconf"])
         if self.uninstalling:
@@ -851,6 +857,11 @@ class CniHandler:
                 "the aether table was modified outside the agent",
             )
         self.counters.check_ok += 1
+
+    def strict_node(self, max_age: float = 1.0) -> NodeConfig:
+        """The node config with its current addresses, what STRICT policies are decided on."""
+        from agent.netns.addresses import current
+        return dataclasses.replace(self.node, node_addresses=current(max_age))
 
     def _check_uncaptured(self, req: dict[str, Any]) -> None:
         """CHECK of a container without a record: fine unless policy says it is captured."""

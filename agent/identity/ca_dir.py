@@ -75,7 +75,7 @@ class CaDirProvider:
                                     serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption()).decode()
         return Svid(spiffe_id, cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem,
-                    start.timestamp(), end.timestamp())
+                    start.timestamp(), end.timestamp(), issued_at=now)
 
 
 def make_ca(ca_dir: str, trust_domain: str = "cluster.local", days: int = 365) -> None:

@@ -40,9 +40,13 @@ class Svid:
     key_pem: str
     not_before: float
     not_after: float
+    # when it was obtained: certificates are back-dated for clock skew, so the lifetime the
+    # renewal splits in half runs from here, not from not_before
+    issued_at: float = 0.0
 
     def renew_at(self) -> float:
-        return self.not_before + (self.not_after - self.not_before) * RENEW_FRACTION
+        start = self.issued_at or self.not_before
+        return start + (self.not_after - start) * RENEW_FRACTION
 
     def expired(self, now: float) -> bool:
         return now >= self.not_after
