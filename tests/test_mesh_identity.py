@@ -1,0 +1,286 @@
+"""The identity layer without root: SVIDs from a CA directory, the manager's holding and
+renewal rules, and the mTLS xDS pieces the builder emits (#16)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from agent.capture.policy import ANN_PEER_AUTH, peer_authentication
+from agent.envoy import mtls
+from agent.envoy.resources import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    NodeXdsState,
+    PodListener,
+    ResourceBuilder,
+)
+from agent.identity.ca_dir import CaDirProvider, make_ca
+from agent.identity.manager import IdentityManager
+from agent.identity.svid import IdentityError, Svid, parse_spiffe_id, spiffe_id
+from agent.scope.model import Endpoint, ServiceView
+from agent.scope.services import ServicePort
+
+TD = "cluster.local"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = str(tmp_path_factory.mktemp("ca"))
+    make_ca(d, TD)
+    return d
+
+
+def test_ca_dir_signs_an_svid_naming_only_the_spiffe_id(ca: str) -> None:
+    svid = CaDirProvider(ca, ttl_s=600).issue(spiffe_id(TD, "app", "web"), 1_000_000.0 + 10**9)
+    leaf = x509.load_pem_x509_certificate(svid.cert_chain_pem.encode())
+    root = x509.load_pem_x509_certificate(open(f"{ca}/ca.crt", "rb").read())
+    pub = root.public_key()
+    assert isinstance(pub, ec.EllipticCurvePublicKey)
+    pub.verify(leaf.signature, leaf.tbs_certificate_bytes, ec.ECDSA(leaf.signature_hash_algorithm))
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "spiffe://cluster.local/ns/app/sa/web"]
+    assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    # lifetime: the TTL from issue (back-dated a minute for skew); renewal at half of it
+    assert svid.not_after - svid.issued_at == pytest.approx(600)
+    assert svid.renew_at() == pytest.approx(svid.issued_at + 300)
+
+
+def test_spiffe_id_round_trip_and_rejects() -> None:
+    assert parse_spiffe_id(spiffe_id(TD, "a", "b")) == (TD, "a", "b")
+    for bad in ("spiffe://td/ns/a", "https://td/ns/a/sa/b", "spiffe://td/ns//sa/b",
+                "spiffe:///ns/a/sa/b", "spiffe://td/ns/a/sa/b/c"):
+        assert parse_spiffe_id(bad) is None
+
+
+class FakeProvider:
+    name = "fake"
+
+    def __init__(self, ttl: float = 100.0) -> None:
+        self.ttl = ttl
+        self.calls: list[str] = []
+        self.fail = False
+
+    def issue(self, sid: str, now: float) -> Svid:
+        self.calls.append(sid)
+        if self.fail:
+            raise IdentityError("provider down")
+        return Svid(sid, f"CERT {sid} {len(self.calls)}", "KEY", now, now + self.ttl, now)
+
+    def bundle_pem(self) -> str:
+        return "BUNDLE"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_manager_holds_an_identity_while_a_local_pod_runs_as_it() -> None:
+    prov, clock = FakeProvider(), Clock()
+    m = IdentityManager(prov, TD, clock=clock)
+    assert m.attach("app/web", "app/web-1") is True
+    assert m.attach("app/web", "app/web-2") is False  # already held: no second issue
+    assert prov.calls == ["spiffe://cluster.local/ns/app/sa/web"]
+    tls = m.mesh_tls()
+    assert m.mesh_tls() is tls  # the same object while nothing changed
+    assert set(tls.svids) == {"app/web"} and tls.bundle_pem == "BUNDLE"
+    assert m.detach("app/web", "app/web-1") is False  # web-2 still runs as it
+    assert m.detach("app/web", "app/web-2") is True  # the last pod: the key is dropped
+    assert m.mesh_tls().svids == {}
+
+
+def test_manager_renews_at_half_life_and_fails_closed_at_expiry() -> None:
+    prov, clock = FakeProvider(ttl=100.0), Clock()
+    m = IdentityManager(prov, TD, clock=clock)
+    m.attach("app/web", "app/web-1")
+    first = m.mesh_tls()
+    clock.t += 49
+    assert m.renew_due() is False and m.next_due() == pytest.approx(1.0)
+    clock.t += 2
+    assert m.renew_due() is True and m.rotations == 1
+    assert m.mesh_tls() is not first
+    assert m.mesh_tls().svids["app/web"].cert_chain_pem.endswith(" 2")
+    # the provider fails: the SVID is kept while valid, the error shown, retried
+    prov.fail = True
+    clock.t += 60
+    assert m.renew_due() is False
+    st = m.status()
+    assert st["svids"][0]["error"] == "provider down" and st["problems"]
+    assert m.next_due() == pytest.approx(0.0, abs=60)
+    clock.t += 45  # past not_after of the renewed SVID (issued at 1051, valid 100 s)
+    assert m.renew_due() is True
+    assert "app/web" not in m.mesh_tls().svids  # fail closed: no SVID, no mesh hop
+    assert m.status()["svids"][0]["spiffe_id"] is None
+    prov.fail = False
+    assert m.renew_due() is True and "app/web" in m.mesh_tls().svids
+
+
+def test_a_failed_first_issue_is_recorded_not_raised() -> None:
+    prov = FakeProvider()
+    prov.fail = True
+    m = IdentityManager(prov, TD, clock=Clock())
+    assert m.attach("app/web", "app/web-1") is False
+    assert not m.held("app/web")
+    assert m.status()["problems"] == ["app/web: provider down"]
+
+
+def test_peer_authentication_precedence_and_malformed_fails_closed() -> None:
+    assert peer_authentication({}, {}) == (False, [])
+    assert peer_authentication({}, {ANN_PEER_AUTH: "STRICT "}) == (True, [])
+    assert peer_authentication({ANN_PEER_AUTH: "permissive"}, {ANN_PEER_AUTH: "strict"})[0] is False
+    strict, problems = peer_authentication({ANN_PEER_AUTH: "stirct"}, {})
+    assert strict is True and problems and "strict applies" in problems[0].reason
+
+
+# ---- xDS ------------------------------------------------------------------------------------
+
+def _svid(identity: str) -> Svid:
+    ns, _, sa = identity.partition("/")
+    return Svid(spiffe_id(TD, ns, sa), "CERT", "KEY", 0.0, 1e12, 0.0)
+
+
+def _state(svids: dict[str, Svid] | None, pods: tuple[PodListener, ...]) -> NodeXdsState:
+    view = ServiceView(key="app/echo", namespace="app", name="echo", cluster_ips=("10.96.0.10",),
+                       ports=(ServicePort(80, "http", "TCP", 8080),), names=(),
+                       endpoints={80: (Endpoint("10.1.0.5", 8080, "app/server", True, False,
+                                                spiffe_id(TD, "app", "server"), "app/s-1"),)})
+    tls = None if svids is None else mtls.MeshTls(TD, svids, "BUNDLE")
+    return NodeXdsState(pods=pods, services=(view,), mesh_tls=tls)
+
+
+CLIENT = PodListener("c1", "/run/netns/c1", namespace="app", service_account="client",
+                     ips=("10.1.0.7",))
+NOID = PodListener("c2", "/run/netns/c2", namespace="app", service_account="nobody",
+                   ips=("10.1.0.8",))
+
+
+def _msg(r: Any) -> Any:
+    return r.message() if hasattr(r, "message") else r
+
+
+def test_without_identity_nothing_of_the_mesh_hop_exists() -> None:
+    out = ResourceBuilder().build(_state(None, (CLIENT,)))
+    assert out[mtls.SECRET_TYPE] == {}
+    assert not [n for n in out[LISTENER_TYPE] if n.startswith(("inbound", "hbone"))]
+    cla = _msg(out[ENDPOINT_TYPE]["svc|app|echo|80"])
+    assert cla.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address == "10.1.0.5"
+
+
+def test_with_identity_service_endpoints_tunnel_with_the_backend_san() -> None:
+    out = ResourceBuilder().build(_state({"app/client": _svid("app/client")}, (CLIENT, NOID)))
+    assert set(out[mtls.SECRET_TYPE]) == {"svid|app|client", mtls.TRUST_BUNDLE_SECRET}
+    lb = _msg(out[ENDPOINT_TYPE]["svc|app|echo|80"]).endpoints[0].lb_endpoints[0]
+    internal = lb.endpoint.address.envoy_internal_address
+    assert internal.server_listener_name == mtls.HBONE_OUT_LISTENER
+    assert internal.endpoint_id == "10.1.0.5:8080"
+    md = lb.metadata.filter_metadata
+    assert md[mtls.ORIGINAL_DST_METADATA]["local"] == "10.1.0.5:8080"
+    assert md[mtls.AETHER_METADATA]["san"] == "spiffe://cluster.local/ns/app/sa/server"
+    svc = _msg(out[CLUSTER_TYPE]["svc|app|echo|80"])
+    assert svc.transport_socket.name == "envoy.transport_sockets.internal_upstream"
+    assert not svc.HasField("upstream_bind_config")
+    # one tunnel cluster per identity held, with that identity's certificate, TLS 1.3, h2,
+    # and peers of the trust domain only; none for the pod whose SVID is missing
+    assert [n for n in out[CLUSTER_TYPE] if n.startswith("hbone|")] == ["hbone|app|client"]
+    hb = out[CLUSTER_TYPE]["hbone|app|client"]
+    assert hb.original_dst_lb_config.upstream_port_override.value == 15008
+    assert hb.upstream_bind_config.local_address_selector.name  # opened in the pod's netns
+    from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
+    ctx = tls_pb2.UpstreamTlsContext()
+    hb.transport_socket.typed_config.Unpack(ctx)
+    common = ctx.common_tls_context
+    assert [s.name for s in common.tls_certificate_sds_secret_configs] == ["svid|app|client"]
+    assert list(common.alpn_protocols) == ["h2"]
+    san = common.combined_validation_context.default_validation_context \
+        .match_typed_subject_alt_names[0]
+    assert san.matcher.prefix == "spiffe://cluster.local/"
+
+
+def _filter_state_keys(listener: Any) -> set[str]:
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    cfg = set_filter_state_pb2.Config()
+    listener.default_filter_chain.filters[0].typed_config.Unpack(cfg)
+    return {v.object_key for v in cfg.on_new_connection}
+
+
+def test_pods_without_an_svid_fail_closed() -> None:
+    out = ResourceBuilder().build(_state({"app/client": _svid("app/client")}, (CLIENT, NOID)))
+    lis = out[LISTENER_TYPE]
+    assert mtls.CALLER_CLUSTER_STATE in _filter_state_keys(lis["capture-c1"])
+    # no SVID: its connections reach hbone-out naming no cluster -> the tcp_proxy default,
+    # a cluster that does not exist (closed), and it gets no inbound listener
+    assert mtls.CALLER_CLUSTER_STATE not in _filter_state_keys(lis["capture-c2"])
+    assert "inbound-c1" in lis and "inbound-c2" not in lis
+    from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+    tcp = tcp_proxy_pb2.TcpProxy()
+    lis[mtls.HBONE_OUT_LISTENER].default_filter_chain.filters[1].typed_config.Unpack(tcp)
+    assert tcp.cluster == mtls.NO_IDENTITY_CLUSTER
+    assert mtls.NO_IDENTITY_CLUSTER not in out[CLUSTER_TYPE]
+    assert tcp.tunneling_config.hostname == "%DOWNSTREAM_LOCAL_ADDRESS%"
+
+
+def test_inbound_connect_reaches_only_the_pods_own_addresses() -> None:
+    lis = mtls.build_inbound_listener("c1", "/run/netns/c1", "app/client", ("10.1.0.7", "fd00::7"),
+                                      mtls.MeshTls(TD, {}, "B"), forbidden_ports=(15001,))
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+    from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
+    chain = lis.filter_chains[0]
+    down = tls_pb2.DownstreamTlsContext()
+    chain.transport_socket.typed_config.Unpack(down)
+    assert down.require_client_certificate.value is True
+    hcm = hcm_pb2.HttpConnectionManager()
+    chain.filters[0].typed_config.Unpack(hcm)
+    routes = hcm.route_config.virtual_hosts[0].routes
+    deny, allow, other = routes
+    assert deny.direct_response.status == 403 and other.direct_response.status == 403
+    assert allow.route.cluster == mtls.INBOUND_INNER
+
+    def matches(route: Any, authority: str) -> bool:
+        return all(re.match(h.string_match.safe_regex.regex, authority) for h in route.match.headers)
+
+    def routed(authority: str) -> str:
+        return next(r.name for r in routes if matches(r, authority))
+
+    assert routed("10.1.0.7:8080") == "deliver"
+    assert routed("[fd00::7]:8080") == "deliver"
+    for bad in ("10.1.0.70:8080", "10.1.0.8:8080", "127.0.0.1:8080", "10.96.0.1:443",
+                "10.1.0.7:8080@evil", "x10.1.0.7:80"):
+        assert routed(bad) == "not-this-pod", bad
+    for own in ("10.1.0.7:15008", "10.1.0.7:15001"):
+        assert routed(own) == "own-port", own
+    # bound on the inbound port of every address of the pod's netns
+    assert lis.address.socket_address.network_namespace_filepath == "/run/netns/c1"
+    assert lis.address.socket_address.port_value == 15008
+
+
+def test_strict_renders_an_input_chain_permissive_none() -> None:
+    from agent.capture.policy import CapturePolicy
+    from agent.capture.rules import render_table
+    base = CapturePolicy(True, 15001, 15006, 0xAE, 0xFF)
+    assert "hook input" not in render_table(base)
+    strict = CapturePolicy(True, 15001, 15006, 0xAE, 0xFF, strict=True,
+                           node_sources_v4=("10.0.0.1",), node_sources_v6=("fd00::1",))
+    text = render_table(strict)
+    chain = text[text.index("chain inbound"):]
+    lines = [ln.strip() for ln in chain.splitlines()[2:-2]]
+    # order is the contract: exemptions first, the refusal of a new connection last
+    assert lines[0].startswith('meta iifname "lo" accept')
+    assert lines[1].startswith("tcp dport 15008 accept")
+    assert lines[2].startswith("ip saddr 10.0.0.1 accept")
+    assert lines[3].startswith("ip6 saddr fd00::1 accept")
+    assert lines[4].startswith("tcp flags & (syn | ack) == syn reject with tcp reset")
+    assert CapturePolicy.from_json(strict.to_json()) == strict
+    # a permissive policy's JSON (and so its hash and table comment) is what it was
+    assert "strict" not in base.to_json()
