@@ -251,6 +251,9 @@ class Agent:
         sink: Any = self.sink
         if hasattr(sink, "metrics"):
             sink.metrics = m
+        ident = getattr(sink, "identity", None)
+        if ident is not None:
+            m.identity_source = ident.status
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),

@@ -88,6 +88,36 @@ class _LiveCollector(Collector):
                 yield GaugeMetricFamily(spec.name, spec.help, value=value)
 
 
+class _IdentityCollector(Collector):
+    """Per identity: seconds until its SVID expires (negative: none held, failing closed)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        read = self._metrics.identity_source
+        if read is None:
+            return
+        try:
+            st = read()
+        except Exception as e:  # noqa: BLE001 - never fail the scrape
+            log.debug("identity metrics failed: %s", e)
+            return
+        expiry = GaugeMetricFamily(
+            "aether_svid_expiry_seconds",
+            "Seconds until the SVID of a ServiceAccount with pods on this node expires "
+            "(-1: none held; its pods' mesh connections fail closed).", labels=["identity"])
+        for r in st.get("svids") or []:
+            left = r.get("seconds_left")
+            expiry.add_metric([r["identity"]], -1.0 if left is None else float(left))
+        yield expiry
+        yield CounterMetricFamily("aether_svid_rotations", "SVIDs renewed and pushed to Envoy.",
+                                  value=float(st.get("rotations") or 0))
+
+
 class Metrics:
     """The agent's metrics; owners push CNI/xDS timings and register live sources."""
 
@@ -110,6 +140,9 @@ class Metrics:
         self._sources: dict[str, Callable[[], float]] = {}
         self._lock = threading.Lock()
         self.registry.register(_LiveCollector(self))
+        # the identity manager's status(), when the agent has an identity provider
+        self.identity_source: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_IdentityCollector(self))
 
     def observe_cni(self, command: Any, seconds: float, outcome: str) -> None:
         """Record one CNI request; unknown commands are folded into `invalid`."""

@@ -14,6 +14,35 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def identity_lines(ident: dict[str, Any]) -> list[str]:
+    """SVIDs held: who, until when, which pods; what is missing and why."""
+    svids = ident.get("svids") or []
+    lines = [f"  mesh identity: {ident.get('provider')} · trust domain "
+             f"{ident.get('trust_domain')} · {len(svids)} SVID(s) · rotations "
+             f"{ident.get('rotations', 0)}"]
+    rows = []
+    for r in svids:
+        left = r.get("seconds_left")
+        rows.append([r["identity"], r.get("spiffe_id") or "NONE (pods fail closed)",
+                     "-" if left is None else _duration(float(left)),
+                     ", ".join(r.get("pods") or []) or "-",
+                     r.get("error") or ""])
+    if rows:
+        lines += ["    " + ln for ln in _table(
+            ["IDENTITY", "SPIFFE ID", "EXPIRES IN", "PODS", "ERROR"], rows).splitlines()]
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 0:
+        return "expired"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
 def render(st: dict[str, Any]) -> str:
     pods = st.get("pods", [])
     state = "DEGRADED" if st.get("degraded") else "healthy"
@@ -40,6 +69,9 @@ def render(st: dict[str, Any]) -> str:
                          f"{', '.join(envoy['pending_removals'])}")
         if envoy.get("last_nack"):
             lines.append(f"    last NACK: {envoy['last_nack']}")
+        ident = envoy.get("identity")
+        lines.extend(identity_lines(ident) if ident else
+                     ["  mesh identity: none (no provider: the mesh hop is plaintext)"])
     ci = st.get("cni_install") or {}
     if ci:
         last = ci.get("last_repair") or {}

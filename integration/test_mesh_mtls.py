@@ -4,10 +4,14 @@ only the backend's SAN; the backend application sees the caller's SPIFFE ID."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,10 +30,16 @@ TD = "cluster.local"
 
 
 @pytest.fixture
-def mnode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+def svid_ttl() -> float:
+    return 3600.0
+
+
+@pytest.fixture
+def mnode(workdir: str, bridge_name: str, svid_ttl: float) -> Iterator[EnvoyNode]:
     ca = os.path.join(workdir, "ca")
     make_ca(ca, TD)
-    n = EnvoyNode(workdir, bridge_name, extra=["--identity-ca-dir", ca, "--trust-domain", TD])
+    n = EnvoyNode(workdir, bridge_name, extra=["--identity-ca-dir", ca, "--trust-domain", TD,
+                                               "--svid-ttl", str(svid_ttl)])
     n.agent.start()
     n.wait_ready()
     yield n
@@ -90,6 +100,23 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
     assert set(ids) == {"app/client", "app/server"}
     assert ids["app/client"]["spiffe_id"] == f"spiffe://{TD}/ns/app/sa/client"
     assert ids["app/client"]["pods"] == ["app/client"]
+    # what an operator sees: the SVIDs, their expiry and pods; the expiry as a metric
+    human = subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir",
+                            mnode.agent.run_dir], capture_output=True, text=True, check=True).stdout
+    assert "mesh identity: ca-dir" in human and f"spiffe://{TD}/ns/app/sa/server" in human
+    assert re.search(r"app/client\s+spiffe://\S+/sa/client\s+(59|60)m\s+app/client", human), human
+    code, metrics = mnode.agent.http("/metrics")
+    left = re.search(r'aether_svid_expiry_seconds\{identity="app/server"\} (\S+)', metrics)
+    assert code == 200 and left and 3500 < float(left.group(1)) <= 3600
+    # DEL: the pod's inbound listener goes, and with the identity's last pod its SVID
+    mnode.kubelet.delete(server)
+    mnode.pods.remove(server)
+    deadline = time.monotonic() + 10
+    while any(n.startswith(f"inbound-{server.container_id}") for n in mnode.listeners()):
+        assert time.monotonic() < deadline, "inbound listener left after DEL"
+        time.sleep(0.1)
+    ids = {r["identity"] for r in mnode.agent.status()["envoy"]["identity"]["svids"]}
+    assert ids == {"app/client"}
 
 
 class TlsImposter:
@@ -218,5 +245,51 @@ def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
         else:
             assert direct[0] == 200
             assert "x-forwarded-client-cert" not in json.loads(direct[2])["headers"]
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("svid_ttl", [6.0])
+def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
+        mnode: EnvoyNode, svid_ttl: float) -> None:
+    _service(mnode)
+    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server")
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/echo"})
+    mnode.add(server)
+    mnode.add(client)
+    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    try:
+        assert _get_ok(client.netns, SVC_IP)[0] == 200
+        before = mnode.agent.status()["envoy"]["identity"]["rotations"]
+        updates = mnode.stat("cluster.hbone|app|client.client_ssl_socket_factory."
+                             "ssl_context_update_by_sds")
+        statuses: list[int] = []
+        errors: list[Any] = []
+        # one kept-alive connection across the rotations (its tunnel's handshake was before
+        # them) beside a new connection (a new handshake) per request
+        kept = http.client.HTTPConnection(SVC_IP, 80, timeout=3)
+
+        def on_kept() -> int:
+            kept.request("GET", "/kept")
+            r = kept.getresponse()
+            r.read()
+            return int(r.status)
+
+        kept_statuses: list[int] = []
+        end = time.monotonic() + 8  # renewals every 3 s: at least two for each identity
+        while time.monotonic() < end:
+            kept_statuses.append(run_in_netns(client.netns, on_kept))
+            got = http_get_from(client.netns, SVC_IP, 80, count=5, timeout=3)
+            statuses += [r[0] for r in got]
+            errors += [(round(time.monotonic() - end + 8, 2), r[1].get("error"))
+                       for r in got if r[0] != 200]
+        after = mnode.agent.status()["envoy"]["identity"]["rotations"]
+        assert after - before >= 4, (before, after)  # both identities, twice
+        assert mnode.stat("cluster.hbone|app|client.client_ssl_socket_factory."
+                          "ssl_context_update_by_sds") >= updates + 2
+        assert len(statuses) > 20 and set(statuses) == {200}, errors
+        assert len(kept_statuses) > 4 and set(kept_statuses) == {200}, kept_statuses
+        kept.close()
     finally:
         srv.shutdown()

@@ -39,7 +39,8 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_ca_dir_signs_an_svid_naming_only_the_spiffe_id(ca: str) -> None:
     svid = CaDirProvider(ca, ttl_s=600).issue(spiffe_id(TD, "app", "web"), 1_000_000.0 + 10**9)
     leaf = x509.load_pem_x509_certificate(svid.cert_chain_pem.encode())
-    root = x509.load_pem_x509_certificate(open(f"{ca}/ca.crt", "rb").read())
+    with open(f"{ca}/ca.crt", "rb") as f:
+        root = x509.load_pem_x509_certificate(f.read())
     pub = root.public_key()
     assert isinstance(pub, ec.EllipticCurvePublicKey)
     pub.verify(leaf.signature, leaf.tbs_certificate_bytes, ec.ECDSA(leaf.signature_hash_algorithm))

@@ -173,6 +173,18 @@ def _transport_socket(name: str, msg: object) -> base_pb2.TransportSocket:
     return ts
 
 
+# Envoy's default circuit breakers allow 1024 connections per cluster; a node's tunnels and
+# deliveries are every mesh connection of its pods, so the thresholds are the node's limits
+# (file descriptors), not Envoy's defaults.
+UNLIMITED = 0xFFFFFFFF
+
+
+def unlimited_circuit_breakers(cluster: cluster_pb2.Cluster) -> None:
+    t = cluster.circuit_breakers.thresholds.add()
+    for f in ("max_connections", "max_pending_requests", "max_requests", "max_retries"):
+        getattr(t, f).value = UNLIMITED
+
+
 def _duration(seconds: float) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromNanoseconds(int(round(seconds * 1e9)))
@@ -283,7 +295,11 @@ def build_hbone_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfi
         tls_pb2.UpstreamTlsContext(common_tls_context=_common_tls(identity, tls.trust_domain))))
     opts = http_protocol_options_pb2.HttpProtocolOptions()
     opts.explicit_http_config.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
+    # one CONNECT per tunnel: a pool serves one downstream connection, so a tunnel can never be
+    # reused; closing it with its stream keeps idle tunnels from piling up
+    opts.common_http_protocol_options.max_requests_per_connection.value = 1
     c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
+    unlimited_circuit_breakers(c)
     return c
 
 
@@ -438,6 +454,7 @@ def build_inbound_inner_cluster(connect_timeout_s: float) -> cluster_pb2.Cluster
     c.load_assignment.cluster_name = INBOUND_INNER
     c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address \
         .envoy_internal_address.server_listener_name = INBOUND_INNER
+    unlimited_circuit_breakers(c)
     return c
 
 
@@ -454,5 +471,9 @@ def build_inbound_deliver_cluster(bind: address_pb2.BindConfig, connect_timeout_
     cfg = opts.use_downstream_protocol_config
     cfg.http_protocol_options.CopyFrom(protocol_pb2.Http1ProtocolOptions())
     cfg.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
+    # HTTP deliveries: the pool lives as long as its downstream (one tunnel); do not keep the
+    # connection to the application open past it
+    opts.common_http_protocol_options.idle_timeout.CopyFrom(_duration(5.0))
     c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
+    unlimited_circuit_breakers(c)
     return c

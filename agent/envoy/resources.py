@@ -450,6 +450,7 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     )
     if tunnel:
         cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
+        mtls.unlimited_circuit_breakers(cluster)  # its hosts are tunnels, one per connection
     else:
         cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0

@@ -485,6 +485,7 @@ class EnvoySink:
                 pass
         x = self.xds.status()
         ready = self.ready()
+        ident = self.identity.status() if self.identity is not None else None
         return {
             **sup,
             "ready": ready,
@@ -498,6 +499,7 @@ class EnvoySink:
             "hang_kills": self.hang_kills,
             "netns_restarts": self.netns_restarts,
             "pending_removals": self.pending_removals(),
-            "degraded": bool(sup.get("degraded")) or not ready,
-            "identity": self.identity.status() if self.identity is not None else None,
+            # a pod without its SVID fails closed: the node says so
+            "degraded": bool(sup.get("degraded")) or not ready or bool(ident and ident["problems"]),
+            "identity": ident,
         }
