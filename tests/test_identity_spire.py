@@ -90,11 +90,13 @@ def test_picks_the_requested_svid_among_several(double: SpireDouble,
 
 def test_streams_are_cancelled_after_the_first_answer(double: SpireDouble, sock: str) -> None:
     # a deadline far beyond the wait below, so only the client's cancel can end the streams
-    SpireDelegateProvider(sock, timeout_s=30.0).issue(WEB, time.time())
+    # (and the provider kept alive: dropping a call object cancels it too)
+    provider = SpireDelegateProvider(sock, timeout_s=30.0)
+    provider.issue(WEB, time.time())
     deadline = time.monotonic() + 2.0
     while double.open_streams and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert double.open_streams == 0
+    assert double.open_streams == 0, provider
 
 
 def test_unregistered_identity_names_the_socket(double: SpireDouble, sock: str,

@@ -68,7 +68,7 @@ class SpireDouble:
     def register(self, namespace: str, service_account: str) -> Entry:
         """What a cluster's registration (e.g. SPIRE's controller manager) gives a ServiceAccount."""
         return self.add_entry(spiffe_id(self.trust_domain, namespace, service_account),
-                              [("k8s", f"ns:{namespace}"), ("k8s", f"sa:{service_account}"), ("k8s", "x")])
+                              [("k8s", f"ns:{namespace}"), ("k8s", f"sa:{service_account}")])
 
     def unregister(self, namespace: str, service_account: str) -> None:
         with self._lock:
