@@ -55,6 +55,7 @@ def run(
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
     identity_ca_dir: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs this agent signs with DIR/ca.crt + DIR/ca.key (standalone nodes, the demo, tests; not for production clusters). Without an identity provider the mesh hop is plaintext.")] = None,
+    identity_spire_socket: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs from the node's SPIRE agent over its Delegated Identity API (this agent must be an authorized delegate; the production provider).")] = None,
     svid_ttl: Annotated[float, typer.Option(help="Lifetime in seconds of the SVIDs signed with --identity-ca-dir (renewed at half life).")] = 3600.0,
     scope: Annotated[str, typer.Option(help="'deps' (the node dependency set) or 'all' Services.")] = "deps",
     learn_ttl: Annotated[float, typer.Option(help="Seconds a Service learned from traffic stays in scope.")] = 600.0,
@@ -103,16 +104,24 @@ def run(
         source = KubeSource(kubeconfig=kubeconfig, node_name=node_name)
     sink = None
     identity = None
-    if identity_ca_dir is not None:
+    if identity_ca_dir is not None or identity_spire_socket is not None:
+        if identity_ca_dir is not None and identity_spire_socket is not None:
+            raise typer.BadParameter("--identity-ca-dir and --identity-spire-socket are exclusive")
         if not envoy:
-            raise typer.BadParameter("--identity-ca-dir needs the node Envoy (not --no-envoy)")
-        from agent.identity.ca_dir import CaDirProvider
-        from agent.identity.manager import IdentityManager
+            raise typer.BadParameter("an identity provider needs the node Envoy (not --no-envoy)")
+        from agent.identity.manager import IdentityManager, IdentityProvider
         from agent.identity.svid import IdentityError
+        provider: IdentityProvider
         try:
-            identity = IdentityManager(CaDirProvider(identity_ca_dir, ttl_s=svid_ttl), trust_domain)
+            if identity_spire_socket is not None:
+                from agent.identity.spire import SpireDelegateProvider
+                provider = SpireDelegateProvider(identity_spire_socket)
+            else:
+                from agent.identity.ca_dir import CaDirProvider
+                provider = CaDirProvider(str(identity_ca_dir), ttl_s=svid_ttl)
         except IdentityError as e:
             raise typer.BadParameter(str(e)) from e
+        identity = IdentityManager(provider, trust_domain)
     if envoy:
         from agent.envoy.sink import EnvoySink
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,

@@ -293,3 +293,51 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
         kept.close()
     finally:
         srv.shutdown()
+
+
+def test_spire_delegate_provider_end_to_end(workdir: str, bridge_name: str) -> None:
+    """The production provider against our double of SPIRE's Delegated Identity API: SVIDs
+    for registered workloads only; an unregistered one fails closed until it is registered."""
+    from agent.testing.spire_double import SpireDouble
+    ca = os.path.join(workdir, "spire-ca")
+    make_ca(ca, TD)
+    sock = os.path.join(workdir, "spire-admin.sock")
+    spire = SpireDouble(sock, ca, TD)
+    spire.register("app", "client")
+    spire.register("app", "server")
+    spire.start()
+    node = EnvoyNode(workdir, bridge_name, extra=["--identity-spire-socket", sock,
+                                                  "--trust-domain", TD])
+    node.agent.start()
+    try:
+        node.wait_ready()
+        _service(node)
+        server = node.pod(name="server", labels={"app": "echo"}, service_account="server")
+        client = node.pod(name="client", service_account="client",
+                          annotations={"aether.io/dependencies": "app/echo"})
+        rogue = node.pod(name="rogue", service_account="rogue",
+                         annotations={"aether.io/dependencies": "app/echo"})
+        for p in (server, client, rogue):
+            node.add(p)
+        srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+        try:
+            status, _h, body = _get_ok(client.netns, SVC_IP)
+            assert status == 200, body
+            assert f"URI=spiffe://{TD}/ns/app/sa/client" in \
+                json.loads(body)["headers"]["x-forwarded-client-cert"]
+            # no registration entry: no SVID; its mesh connections are refused, not plaintext
+            st = node.agent.status()
+            assert st["degraded"] and any("app/rogue" in p and "no SVID" in p
+                                          for p in st["envoy"]["identity"]["problems"])
+            assert http_get_from(rogue.netns, SVC_IP, 80, count=1, timeout=3)[0][0] == 0
+            spire.register("app", "rogue")  # registered: the retry picks it up
+            status, _h, body = _get_ok(rogue.netns, SVC_IP)
+            assert status == 200
+            assert "sa/rogue" in json.loads(body)["headers"]["x-forwarded-client-cert"]
+        finally:
+            srv.shutdown()
+    finally:
+        node.cleanup()
+        node.agent.stop()
+        spire.stop()
+    assert "Traceback" not in node.agent.logs()

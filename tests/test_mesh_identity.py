@@ -123,6 +123,10 @@ def test_manager_renews_at_half_life_and_fails_closed_at_expiry() -> None:
     assert "app/web" not in m.mesh_tls().svids  # fail closed: no SVID, no mesh hop
     assert m.status()["svids"][0]["spiffe_id"] is None
     prov.fail = False
+    calls = len(prov.calls)
+    assert m.renew_due() is False and len(prov.calls) == calls  # retried after a pause only
+    assert m.next_due() == pytest.approx(2.0)
+    clock.t += 2
     assert m.renew_due() is True and "app/web" in m.mesh_tls().svids
 
 

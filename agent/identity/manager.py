@@ -19,6 +19,10 @@ from agent.identity.svid import IdentityError, Svid, spiffe_id
 
 log = logging.getLogger("aether.identity")
 
+# A failed issue is retried after this long (not in a tight loop against a provider that
+# refuses, e.g. a workload SPIRE has no registration entry for yet).
+RETRY_S = 2.0
+
 
 class IdentityProvider(Protocol):
     name: str
@@ -39,6 +43,7 @@ class IdentityManager:
         self._svids: dict[str, Svid] = {}
         self._users: dict[str, set[str]] = {}  # identity -> pod keys on this node
         self._errors: dict[str, str] = {}
+        self._failed_at: dict[str, float] = {}
         self._bundle = ""
         self._tls: MeshTls | None = None
         self.rotations = 0
@@ -64,6 +69,7 @@ class IdentityManager:
                 return False
             del self._users[identity]
             self._errors.pop(identity, None)
+            self._failed_at.pop(identity, None)
             if self._svids.pop(identity, None) is None:
                 return False
             self._tls = None
@@ -76,10 +82,13 @@ class IdentityManager:
             svid = self.provider.issue(spiffe_id(self.trust_domain, ns, sa), now)
             bundle = self.provider.bundle_pem()
         except IdentityError as e:
+            if self._errors.get(identity) != str(e):
+                log.error("cannot get an SVID for %s from %s: %s", identity, self.provider.name, e)
             self._errors[identity] = str(e)
-            log.error("cannot get an SVID for %s from %s: %s", identity, self.provider.name, e)
+            self._failed_at[identity] = now
             return self._expire(identity, now)
         self._errors.pop(identity, None)
+        self._failed_at.pop(identity, None)
         old = self._svids.get(identity)
         self._svids[identity] = svid
         self._bundle = bundle
@@ -109,6 +118,10 @@ class IdentityManager:
             now = self._clock()
             for identity in sorted(self._users):
                 svid = self._svids.get(identity)
+                if now - self._failed_at.get(identity, -RETRY_S) < RETRY_S:
+                    if svid is not None:
+                        changed |= self._expire(identity, now)
+                    continue
                 if svid is None or now >= svid.renew_at():
                     changed |= self._issue(identity)
                 else:
@@ -120,8 +133,8 @@ class IdentityManager:
         with self._lock:
             now = self._clock()
             due = [s.renew_at() - now for i, s in self._svids.items() if i in self._users]
-            if any(i not in self._svids for i in self._users):
-                due.append(0.0)
+            due += [self._failed_at.get(i, -RETRY_S) + RETRY_S - now
+                    for i in self._users if i not in self._svids or i in self._failed_at]
             return max(0.0, min(due)) if due else 3600.0
 
     # -- what Envoy gets -----------------------------------------------------------------
