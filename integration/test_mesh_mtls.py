@@ -39,7 +39,7 @@ def mnode(workdir: str, bridge_name: str, svid_ttl: float) -> Iterator[EnvoyNode
     ca = os.path.join(workdir, "ca")
     make_ca(ca, TD)
     n = EnvoyNode(workdir, bridge_name, extra=["--identity-ca-dir", ca, "--trust-domain", TD,
-                                               "--svid-ttl", str(svid_ttl)])
+                                               "--svid-ttl", str(svid_ttl), "--access-log"])
     n.agent.start()
     n.wait_ready()
     yield n
@@ -96,6 +96,11 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
         assert not any(b"GET /" in s.payload or b"forged" in s.payload for s in hop)
     finally:
         srv.shutdown()
+    # the server side's access log names the caller (--access-log)
+    deadline = time.monotonic() + 10
+    while f"peer=spiffe://{TD}/ns/app/sa/client" not in mnode.agent.logs():
+        assert time.monotonic() < deadline, "no inbound access log line naming the caller"
+        time.sleep(0.2)
     ids = {r["identity"]: r for r in mnode.agent.status()["envoy"]["identity"]["svids"]}
     assert set(ids) == {"app/client", "app/server"}
     assert ids["app/client"]["spiffe_id"] == f"spiffe://{TD}/ns/app/sa/client"

@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import (
     address_pb2,
@@ -44,6 +45,7 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.http.set_filter_state.v3 import (
@@ -347,9 +349,26 @@ def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
     return f
 
 
+INBOUND_LOG_FORMAT = (
+    "[%START_TIME%] inbound listener=%LISTENER_NAME% peer=%DOWNSTREAM_PEER_URI_SAN% "
+    "from=%DOWNSTREAM_REMOTE_ADDRESS% -> %REQ(:AUTHORITY)% status=%RESPONSE_CODE% "
+    "flags=%RESPONSE_FLAGS% rx=%BYTES_RECEIVED% tx=%BYTES_SENT% dur=%DURATION%ms\n")
+
+
+def inbound_access_log() -> accesslog_pb2.AccessLog:
+    """One stdout line per mesh connection a pod accepted, naming the caller's SPIFFE ID."""
+    cfg = stream_pb2.StdoutAccessLog(
+        log_format=substitution_format_string_pb2.SubstitutionFormatString(
+            text_format_source={"inline_string": INBOUND_LOG_FORMAT}))
+    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
+    log.typed_config.Pack(cfg)
+    return log
+
+
 def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequence[str],
                            tls: MeshTls, ipv4: bool = True, ipv6: bool = True,
-                           forbidden_ports: Sequence[int] = ()) -> listener_pb2.Listener:
+                           forbidden_ports: Sequence[int] = (),
+                           access_log: bool = False) -> listener_pb2.Listener:
     """``inbound-<uid>``: the pod's end of the mesh hop, bound on the inbound port of every
     address in its netns. Terminates mTLS (a peer certificate of the trust domain required),
     accepts CONNECT to the pod's own addresses and hands the stream, the caller's SPIFFE ID
@@ -374,6 +393,8 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="CONNECT")],
     )
     hcm.http2_protocol_options.allow_connect = True
+    if access_log:
+        hcm.access_log.append(inbound_access_log())
     net = listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager")
     net.typed_config.Pack(hcm)
     chain = listener_components_pb2.FilterChain(

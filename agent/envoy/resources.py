@@ -993,12 +993,14 @@ class ResourceBuilder:
             if tls is not None and has_id and pod.ips:
                 # the SVID and bundle contents are not part of the listener (SDS), so the
                 # key is what the listener's bytes depend on
-                ik = (pod, tls.inbound_port, tls.trust_domain, state.capture_port)
+                ik = (pod, tls.inbound_port, tls.trust_domain, state.capture_port,
+                      state.connection_log)
                 inbound = self._pod_listeners.get(ik)
                 if inbound is None:
                     inbound = mtls.build_inbound_listener(
                         pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4,
-                        pod.ipv6, forbidden_ports=(state.capture_port,))
+                        pod.ipv6, forbidden_ports=(state.capture_port,),
+                        access_log=state.connection_log)
                 cache[ik] = inbound
                 listeners[mtls.inbound_listener_name(pod.uid)] = inbound
         self._pod_listeners = cache
