@@ -261,6 +261,26 @@ def demo(
     raise typer.Exit(run_demo(requests, keep))
 
 
+@app.command("init-ca")
+def init_ca(
+    directory: Annotated[str, typer.Argument(help="Where to write ca.crt and ca.key (0600).")],
+    trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of the CA.")] = "cluster.local",
+    days: Annotated[int, typer.Option(help="CA lifetime in days.")] = 365,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing CA.")] = False,
+) -> None:
+    """Make a CA for --identity-ca-dir (standalone nodes, the demo, tests; a production cluster
+    gets SVIDs from SPIRE). Every node of one mesh needs the same CA."""
+    import os
+
+    from agent.identity.ca_dir import make_ca
+    if os.path.exists(os.path.join(directory, "ca.key")) and not force:
+        print(f"{directory}/ca.key exists; --force to replace it (every SVID signed by it "
+              "stops being trusted)")
+        raise typer.Exit(1)
+    make_ca(directory, trust_domain, days)
+    print(f"wrote {directory}/ca.crt and {directory}/ca.key (trust domain {trust_domain})")
+
+
 @app.command()
 def version() -> None:
     """Print the agent version."""

@@ -41,10 +41,11 @@ def _say(step: int, total: int, msg: str) -> None:
 
 def manifests() -> list[dict[str, Any]]:
     def pod(name: str, labels: dict[str, str], ann: dict[str, str] | None = None) -> dict[str, Any]:
+        # each app its own ServiceAccount: its mesh identity spiffe://cluster.local/ns/demo/sa/<app>
         return {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": NS, "labels": labels,
                              "annotations": ann or {}},
-                "spec": {"nodeName": "demo-node", "serviceAccountName": "default",
+                "spec": {"nodeName": "demo-node", "serviceAccountName": labels["app"],
                          "containers": [{"name": "app", "image": "demo",
                                          "ports": [{"name": "http", "containerPort": 8080}]}]}}
 
@@ -123,11 +124,15 @@ class Demo:
         with open(os.path.join(self.mdir, "demo.yaml"), "w") as f:
             yaml.safe_dump_all(manifests(), f)
 
-        _say(2, self.STEPS, "starting aether-agent with its node Envoy")
+        _say(2, self.STEPS, "starting aether-agent with its node Envoy (mesh identity: SVIDs "
+             "signed with a CA made for the demo)")
+        from agent.identity.ca_dir import make_ca
+        ca = os.path.join(self.workdir, "ca")
+        make_ca(ca)
         log = open(os.path.join(self.workdir, "agent.log"), "wb")  # noqa: SIM115
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "agent.cli", "run", "--manifests", self.mdir, "--node-name",
-             "demo-node", "--run-dir", self.run_dir,
+             "demo-node", "--run-dir", self.run_dir, "--identity-ca-dir", ca,
              "--metrics-port", "0", "--log-format", "json"], stdout=log, stderr=log)
         self._wait(lambda: os.path.exists(os.path.join(self.run_dir, "status.sock")), 60,
                    "the agent did not start")
@@ -174,13 +179,14 @@ class Demo:
                                   if v != before.get(k, 0)}
             self._attach_access_log()
         split = Counter(h.get("x-pod", f"status {s}") for s, h, _ in plain)
+        callers = Counter(caller_identity(body) for s, _h, body in plain + v2 if s == 200)
         header = Counter(h.get("x-pod", f"status {s}") for s, h, _ in v2)
         stats = self._envoy_stats()
 
         _say(7, self.STEPS, "aether-agent status")
         subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir", self.run_dir],
                        check=False)
-        return self._report(split, header, stats)
+        return self._report(split, header, stats, callers)
 
     def expected_endpoints(self) -> set[str]:
         """``<cluster>::<ip>:<port>`` of every (Service, pod) the demo's route can send to."""
@@ -197,7 +203,8 @@ class Demo:
         answers = http_get_from(self.pods["client"].netns, ECHO_IP, 80, "/", count=1, timeout=2)
         return answers[0][0] == 200 and "x-pod" in answers[0][1]
 
-    def _report(self, split: Counter[str], header: Counter[str], stats: dict[str, int]) -> int:
+    def _report(self, split: Counter[str], header: Counter[str], stats: dict[str, int],
+                callers: Counter[str]) -> int:
         print()
         print(f"http://echo/ from {NS}/client ({sum(split.values())} requests):")
         for pod, n in sorted(split.items()):
@@ -205,6 +212,10 @@ class Demo:
         print("with header x-version: v2 (20 requests):")
         for pod, n in sorted(header.items()):
             print(f"  {pod:<12} {n:>4}")
+        print("who the backends saw calling (x-forwarded-client-cert, set by their side of the "
+              "mTLS hop):")
+        for who, n in sorted(callers.items()):
+            print(f"  {who:<48} {n:>4}")
         print("Envoy carried them (cluster upstream requests):")
         for name, n in sorted(stats.items()):
             print(f"  {name:<40} {n}")
@@ -213,12 +224,15 @@ class Demo:
         ok_split = total > 0 and v1 + v2n == total and 0.3 <= v1 / total <= 0.7
         ok_header = header.get("echo-v2-0", 0) == 20
         ok_envoy = sum(stats.values()) >= total
+        ok_id = set(callers) == {CLIENT_ID} and sum(callers.values()) == sum(
+            split.values()) + sum(header.values())
         for ok, what in ((ok_split, "the 50/50 split splits"), (ok_header, "the header match matches"),
-                         (ok_envoy, "every request went through the node Envoy")):
+                         (ok_envoy, "every request went through the node Envoy"),
+                         (ok_id, f"every backend saw the caller as {CLIENT_ID} (mTLS)")):
             print(f"{'PASS' if ok else 'FAIL'}: {what}")
         if self.failures:
             self._print_failures()
-        return 0 if ok_split and ok_header and ok_envoy and not self.failures else 1
+        return 0 if ok_split and ok_header and ok_envoy and ok_id and not self.failures else 1
 
     def _print_failures(self, show: int = 5) -> None:
         """Failed requests grouped by Envoy's account of them (response flags, details,
@@ -372,9 +386,27 @@ def envoy_failure_lines(agent_log: str) -> list[dict[str, str]]:
 
 def healthy_hosts(clusters: str) -> set[str]:
     """``<cluster>::<ip>:<port>`` of every host Envoy's admin ``/clusters`` (text) lists as
-    healthy: an endpoint the load balancer can pick (EDS delivered, HEALTHY)."""
+    healthy: an endpoint the load balancer can pick (EDS delivered, HEALTHY). A mesh endpoint
+    reached through the mTLS tunnel is listed as ``envoy://hbone-out/<ip>:<port>``."""
     suffix = "::health_flags::healthy"
-    return {line.removesuffix(suffix) for line in clusters.splitlines() if line.endswith(suffix)}
+    return {line.removesuffix(suffix).replace("envoy://hbone-out/", "")
+            for line in clusters.splitlines() if line.endswith(suffix)}
+
+
+CLIENT_ID = f"spiffe://cluster.local/ns/{NS}/sa/client"
+
+
+def caller_identity(body: bytes) -> str:
+    """The URI of the x-forwarded-client-cert the echo backend saw ("none" without one)."""
+    import json
+    try:
+        xfcc = str(json.loads(body)["headers"].get("x-forwarded-client-cert", ""))
+    except (ValueError, KeyError, TypeError):
+        return "unreadable answer"
+    for part in xfcc.split(";"):
+        if part.startswith("URI="):
+            return part[4:]
+    return "none (plaintext)"
 
 
 def run_demo(requests: int = 200, keep: bool = False) -> int:

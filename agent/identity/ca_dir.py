@@ -80,7 +80,7 @@ class CaDirProvider:
 
 def make_ca(ca_dir: str, trust_domain: str = "cluster.local", days: int = 365) -> None:
     """Write a fresh self-signed CA (``ca.crt``, ``ca.key`` 0600) into ``ca_dir``: what
-    ``aether-agent identity init-ca`` and the tests use."""
+    ``aether-agent init-ca`` and the tests use."""
     os.makedirs(ca_dir, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
