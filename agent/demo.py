@@ -387,9 +387,9 @@ def envoy_failure_lines(agent_log: str) -> list[dict[str, str]]:
 def healthy_hosts(clusters: str) -> set[str]:
     """``<cluster>::<ip>:<port>`` of every host Envoy's admin ``/clusters`` (text) lists as
     healthy: an endpoint the load balancer can pick (EDS delivered, HEALTHY). A mesh endpoint
-    reached through the mTLS tunnel is listed as ``envoy://hbone-out/<ip>:<port>``."""
+    reached through the mTLS tunnel is listed as ``envoy://mtls-out/<ip>:<port>``."""
     suffix = "::health_flags::healthy"
-    return {line.removesuffix(suffix).replace("envoy://hbone-out/", "")
+    return {line.removesuffix(suffix).replace("envoy://mtls-out/", "")
             for line in clusters.splitlines() if line.endswith(suffix)}
 
 

@@ -62,8 +62,11 @@ def _server_bootstrap(port: int, admin: str, body_bytes: int) -> dict[str, Any]:
 class ServerEnvoy:
     """`envoy` with a static direct_response listener on 0.0.0.0:<port> in the host netns."""
 
-    def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1) -> None:
-        self.port = free_port()
+    def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1,
+                 port: int | None = None, netns_name: str | None = None) -> None:
+        self.port = port or free_port()
+        # inside a pod's netns instead of the host's (a mesh pod's server)
+        self.prefix = ["ip", "netns", "exec", netns_name] if netns_name else []
         self.admin = os.path.join(workdir, "server-envoy-admin.sock")
         self.body_bytes = body_bytes
         self.workers = workers
@@ -76,7 +79,7 @@ class ServerEnvoy:
             json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            [find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
+            [*self.prefix, find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
              "--use-dynamic-base-id", "-l", "warning"], stdout=log, stderr=log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -209,7 +209,7 @@ def test_a_pod_of_another_service_account_cannot_pose_as_the_backend(
             assert "data" in server.outcomes, server.outcomes
         else:  # same CA, another SAN: refused in the handshake, not one byte of the request
             assert all(o != "data" for o in server.outcomes), server.outcomes
-            assert mnode.stat("cluster.hbone|app|client.ssl.fail_verify_san") >= 1
+            assert mnode.stat("cluster.mtls|app|client.ssl.fail_verify_san") >= 1
     finally:
         server.close()
 
@@ -267,7 +267,7 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
     try:
         assert _get_ok(client.netns, SVC_IP)[0] == 200
         before = mnode.agent.status()["envoy"]["identity"]["rotations"]
-        updates = mnode.stat("cluster.hbone|app|client.client_ssl_socket_factory."
+        updates = mnode.stat("cluster.mtls|app|client.client_ssl_socket_factory."
                              "ssl_context_update_by_sds")
         statuses: list[int] = []
         errors: list[Any] = []
@@ -291,7 +291,7 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
                        for r in got if r[0] != 200]
         after = mnode.agent.status()["envoy"]["identity"]["rotations"]
         assert after - before >= 4, (before, after)  # both identities, twice
-        assert mnode.stat("cluster.hbone|app|client.client_ssl_socket_factory."
+        assert mnode.stat("cluster.mtls|app|client.client_ssl_socket_factory."
                           "ssl_context_update_by_sds") >= updates + 2
         assert len(statuses) > 20 and set(statuses) == {200}, errors
         assert len(kept_statuses) > 4 and set(kept_statuses) == {200}, kept_statuses
@@ -346,3 +346,144 @@ def test_spire_delegate_provider_end_to_end(workdir: str, bridge_name: str) -> N
         node.agent.stop()
         spire.stop()
     assert "Traceback" not in node.agent.logs()
+
+
+def _mesh_client(ca_dir: str, spiffe: str | None, alpn: bool = True) -> ssl.SSLContext:
+    """What a peer proxy presents: TLS 1.3, our ALPN, an SVID of ``spiffe`` (None: none)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(os.path.join(ca_dir, "ca.crt"))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if alpn:
+        ctx.set_alpn_protocols(["aether-mesh"])
+    if spiffe is not None:
+        svid = CaDirProvider(ca_dir).issue(spiffe, time.time())
+        d = os.path.join(ca_dir, f"client-{abs(hash(spiffe))}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "crt.pem"), "w") as f:
+            f.write(svid.cert_chain_pem)
+        with open(os.path.join(d, "key.pem"), "w") as f:
+            f.write(svid.key_pem)
+        ctx.load_cert_chain(os.path.join(d, "crt.pem"), os.path.join(d, "key.pem"))
+    return ctx
+
+
+def _mesh_get(netns: str, ip: str, ctx: ssl.SSLContext, sni: str) -> str:
+    """Speak the mesh hop by hand: TLS to <ip>:15008 naming the port in SNI, then a GET.
+    Returns the answer, or what went wrong."""
+    def work() -> str:
+        raw = socket.create_connection((ip, 15008), timeout=3)
+        try:
+            tls = ctx.wrap_socket(raw, server_hostname=sni)
+            tls.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := tls.recv(65536):
+                data += chunk
+            return data.decode(errors="replace") or "closed"
+        except (OSError, ssl.SSLError) as e:
+            return f"error: {type(e).__name__}: {e}"
+        finally:
+            raw.close()
+    return run_in_netns(netns, work)
+
+
+def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNode) -> None:
+    """The hop by hand, from outside the mesh: the pod's port is named in SNI and reached
+    only with a client SVID of the trust domain and the mesh ALPN; the proxy's own ports are
+    refused (no loop), and the caller is who its certificate says."""
+    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server")
+    outsider = mnode.pod(namespace="plain", name="outsider")
+    mnode.add(server)
+    mnode.add(outsider)
+    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    ca = os.path.join(mnode.agent.workdir, "ca")
+    other_ca = os.path.join(mnode.agent.workdir, "other-ca")
+    make_ca(other_ca, TD)
+    try:
+        ok = _mesh_get(outsider.netns, server.ip(), _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"),
+                       "8080")
+        assert ok.startswith("HTTP/1.1 200"), ok
+        assert f"URI=spiffe://{TD}/ns/t/sa/tester" in ok  # the XFCC the app echoed back
+        for sni in ("15008", "15001", "15009"):  # the proxy's own ports: closed, no loop
+            got = _mesh_get(outsider.netns, server.ip(),
+                            _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"), sni)
+            assert not got.startswith("HTTP"), (sni, got)
+        # not a port: nothing to deliver to (the proxy answers 503 itself)
+        got = _mesh_get(outsider.netns, server.ip(),
+                        _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"), "not-a-port")
+        assert not got.startswith("HTTP/1.1 200") and '"pod"' not in got, got
+        for ctx in (_mesh_client(ca, None),  # no client certificate
+                    _mesh_client(other_ca, f"spiffe://{TD}/ns/t/sa/tester"),  # another CA
+                    _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester", alpn=False)):
+            got = _mesh_get(outsider.netns, server.ip(), ctx, "8080")
+            assert not got.startswith("HTTP"), got
+    finally:
+        srv.shutdown()
+
+
+def test_the_server_closing_first_loses_nothing(mnode: EnvoyNode) -> None:
+    """Server-closes-first over the mesh hop: a raw TCP server that answers and closes, and
+    an HTTP request with `Connection: close` (the proxy closes after the response). Both
+    answers arrive whole (an HTTP/2 CONNECT tunnel, or an Envoy internal listener on the
+    inbound side, lost these tails on Envoy 1.40)."""
+    _service(mnode)
+    mnode.agent.write("svc-raw.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
+        "spec": {"clusterIP": "10.96.70.11", "clusterIPs": ["10.96.70.11"],
+                 "selector": {"app": "echo"},
+                 "ports": [{"name": "raw", "port": 7000, "targetPort": 7000}]}}])
+    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server")
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/echo,app/raw"})
+    mnode.add(server)
+    mnode.add(client)
+    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    payload = b"answer-then-close\n" * 4000  # 72 KB: more than one read
+
+    def listen() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 7000))
+        s.listen(8)
+        return s
+
+    raw = run_in_netns(server.netns, listen)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = raw.accept()
+            except OSError:
+                return
+            c.recv(100)
+            c.sendall(payload)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        assert _get_ok(client.netns, SVC_IP)[0] == 200
+
+        def calls() -> list[Any]:
+            out: list[Any] = []
+            for _ in range(5):
+                s = socket.create_connection(("10.96.70.11", 7000), timeout=5)
+                s.sendall(b"hello\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                s.close()
+                out.append(len(data))
+                conn = http.client.HTTPConnection(SVC_IP, 80, timeout=5)
+                conn.request("GET", "/", headers={"Connection": "close"})
+                r = conn.getresponse()
+                body = r.read()
+                conn.close()
+                out.append((r.status, len(body) == int(r.headers["content-length"]),
+                            b"sa/client" in body))
+            return out
+
+        got = run_in_netns(client.netns, calls)
+        assert got == [len(payload), (200, True, True)] * 5, got
+    finally:
+        raw.close()
+        srv.shutdown()

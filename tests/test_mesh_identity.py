@@ -3,7 +3,6 @@ renewal rules, and the mTLS xDS pieces the builder emits (#16)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -186,7 +185,7 @@ def test_with_identity_service_endpoints_tunnel_with_the_backend_san() -> None:
     assert set(out[mtls.SECRET_TYPE]) == {"svid|app|client", mtls.TRUST_BUNDLE_SECRET}
     lb = _msg(out[ENDPOINT_TYPE]["svc|app|echo|80"]).endpoints[0].lb_endpoints[0]
     internal = lb.endpoint.address.envoy_internal_address
-    assert internal.server_listener_name == mtls.HBONE_OUT_LISTENER
+    assert internal.server_listener_name == mtls.MTLS_OUT_LISTENER
     assert internal.endpoint_id == "10.1.0.5:8080"
     md = lb.metadata.filter_metadata
     assert md[mtls.ORIGINAL_DST_METADATA]["local"] == "10.1.0.5:8080"
@@ -196,8 +195,8 @@ def test_with_identity_service_endpoints_tunnel_with_the_backend_san() -> None:
     assert not svc.HasField("upstream_bind_config")
     # one tunnel cluster per identity held, with that identity's certificate, TLS 1.3, h2,
     # and peers of the trust domain only; none for the pod whose SVID is missing
-    assert [n for n in out[CLUSTER_TYPE] if n.startswith("hbone|")] == ["hbone|app|client"]
-    hb = out[CLUSTER_TYPE]["hbone|app|client"]
+    assert [n for n in out[CLUSTER_TYPE] if n.startswith("mtls|")] == ["mtls|app|client"]
+    hb = out[CLUSTER_TYPE]["mtls|app|client"]
     assert hb.original_dst_lb_config.upstream_port_override.value == 15008
     assert hb.upstream_bind_config.local_address_selector.name  # opened in the pod's netns
     from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
@@ -205,7 +204,7 @@ def test_with_identity_service_endpoints_tunnel_with_the_backend_san() -> None:
     hb.transport_socket.typed_config.Unpack(ctx)
     common = ctx.common_tls_context
     assert [s.name for s in common.tls_certificate_sds_secret_configs] == ["svid|app|client"]
-    assert list(common.alpn_protocols) == ["h2"]
+    assert list(common.alpn_protocols) == [mtls.MESH_ALPN]
     san = common.combined_validation_context.default_validation_context \
         .match_typed_subject_alt_names[0]
     assert san.matcher.prefix == "spiffe://cluster.local/"
@@ -228,64 +227,64 @@ def test_pods_without_an_svid_fail_closed() -> None:
     assert "inbound-c1" in lis and "inbound-c2" not in lis
     from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
     tcp = tcp_proxy_pb2.TcpProxy()
-    lis[mtls.HBONE_OUT_LISTENER].default_filter_chain.filters[1].typed_config.Unpack(tcp)
+    lis[mtls.MTLS_OUT_LISTENER].default_filter_chain.filters[1].typed_config.Unpack(tcp)
     assert tcp.cluster == mtls.NO_IDENTITY_CLUSTER
     assert mtls.NO_IDENTITY_CLUSTER not in out[CLUSTER_TYPE]
-    assert tcp.tunneling_config.hostname == "%DOWNSTREAM_LOCAL_ADDRESS%"
+    # mtls-out names the destination port in SNI and pins the endpoint's SAN
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    cfg = set_filter_state_pb2.Config()
+    lis[mtls.MTLS_OUT_LISTENER].default_filter_chain.filters[0].typed_config.Unpack(cfg)
+    fmt = {v.object_key: v.format_string.text_format_source.inline_string
+           for v in cfg.on_new_connection}
+    assert fmt[mtls.UPSTREAM_SNI_STATE] == "%DOWNSTREAM_LOCAL_PORT%"
+    assert fmt[mtls.UPSTREAM_SAN_STATE] == f"%DYNAMIC_METADATA({mtls.AETHER_METADATA}:san)%"
 
 
-def test_inbound_connect_reaches_only_the_pods_own_addresses() -> None:
+def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None:
+    tls = mtls.MeshTls(TD, {}, "B")
     lis = mtls.build_inbound_listener("c1", "/run/netns/c1", "app/client", ("10.1.0.7", "fd00::7"),
-                                      mtls.MeshTls(TD, {}, "B"), forbidden_ports=(15001,))
-    from envoy.extensions.filters.network.http_connection_manager.v3 import (
-        http_connection_manager_pb2 as hcm_pb2,
-    )
+                                      tls, forbidden_ports=(15001,))
+    from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
     from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
-    chain = lis.filter_chains[0]
+    by_name = {c.name: c for c in lis.filter_chains}
+    assert set(by_name) == {"own-ports-v4", "mtls-v4", "own-ports-v6", "mtls-v6"}
+    # every chain names its family's range (Envoy narrows on the address before the name)
+    assert all(len(c.filter_chain_match.prefix_ranges) == 1 for c in lis.filter_chains)
+    deny = by_name["own-ports-v4"]
+    assert sorted(deny.filter_chain_match.server_names) == ["15001", "15008", "15009"]
+    closing = tcp_proxy_pb2.TcpProxy()
+    deny.filters[0].typed_config.Unpack(closing)
+    assert closing.cluster == mtls.NO_IDENTITY_CLUSTER
+    chain = by_name["mtls-v4"]
+    assert list(chain.filter_chain_match.application_protocols) == [mtls.MESH_ALPN]
     down = tls_pb2.DownstreamTlsContext()
     chain.transport_socket.typed_config.Unpack(down)
     assert down.require_client_certificate.value is True
-    hcm = hcm_pb2.HttpConnectionManager()
-    chain.filters[0].typed_config.Unpack(hcm)
-    routes = hcm.route_config.virtual_hosts[0].routes
-    deny, allow, other = routes
-    assert deny.direct_response.status == 403 and other.direct_response.status == 403
-    assert allow.route.cluster == mtls.INBOUND_INNER
-
-    def matches(route: Any, authority: str) -> bool:
-        return all(re.match(h.string_match.safe_regex.regex, authority) for h in route.match.headers)
-
-    def routed(authority: str) -> str:
-        return next(r.name for r in routes if matches(r, authority))
-
-    assert routed("10.1.0.7:8080") == "deliver"
-    assert routed("[fd00::7]:8080") == "deliver"
-    for bad in ("10.1.0.70:8080", "10.1.0.8:8080", "127.0.0.1:8080", "10.96.0.1:443",
-                "10.1.0.7:8080@evil", "x10.1.0.7:80"):
-        assert routed(bad) == "not-this-pod", bad
-    for own in ("10.1.0.7:15008", "10.1.0.7:15001"):
-        assert routed(own) == "own-port", own
-    # bound on the inbound port of every address of the pod's netns
+    tcp = tcp_proxy_pb2.TcpProxy()
+    chain.filters[1].typed_config.Unpack(tcp)
+    # after the handshake, to the pod's loopback, with both identities and the SNI port
+    assert tcp.cluster == "inbound-local4"
+    assert tcp.upstream_connect_mode == tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE
+    assert {t.type: t.format_string.text_format_source.inline_string
+            for t in tcp.proxy_protocol_tlvs} == {
+        mtls.PEER_ID_TLV: "%DOWNSTREAM_PEER_URI_SAN%",
+        mtls.LOCAL_ID_TLV: "%DOWNSTREAM_LOCAL_URI_SAN%",
+        mtls.PORT_TLV: "%REQUESTED_SERVER_NAME%"}
     assert lis.address.socket_address.network_namespace_filepath == "/run/netns/c1"
     assert lis.address.socket_address.port_value == 15008
 
 
-def test_strict_renders_an_input_chain_permissive_none() -> None:
-    from agent.capture.policy import CapturePolicy
-    from agent.capture.rules import render_table
-    base = CapturePolicy(True, 15001, 15006, 0xAE, 0xFF)
-    assert "hook input" not in render_table(base)
-    strict = CapturePolicy(True, 15001, 15006, 0xAE, 0xFF, strict=True,
-                           node_sources_v4=("10.0.0.1",), node_sources_v6=("fd00::1",))
-    text = render_table(strict)
-    chain = text[text.index("chain inbound"):]
-    lines = [ln.strip() for ln in chain.splitlines()[2:-2]]
-    # order is the contract: exemptions first, the refusal of a new connection last
-    assert lines[0].startswith('meta iifname "lo" accept')
-    assert lines[1].startswith("tcp dport 15008 accept")
-    assert lines[2].startswith("ip saddr 10.0.0.1 accept")
-    assert lines[3].startswith("ip6 saddr fd00::1 accept")
-    assert lines[4].startswith("tcp flags & (syn | ack) == syn reject with tcp reset")
-    assert CapturePolicy.from_json(strict.to_json()) == strict
-    # a permissive policy's JSON (and so its hash and table comment) is what it was
-    assert "strict" not in base.to_json()
+def test_inbound_local_delivers_only_to_the_pods_own_address() -> None:
+    lis = mtls.build_inbound_local_listener("c1", "/run/netns/c1", ("10.1.0.7", "fd00::7"))
+    assert lis.address.socket_address.address == "127.0.0.1"
+    assert lis.address.socket_address.port_value == mtls.INBOUND_LOCAL_PORT
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    for chain in (lis.filter_chains[0], lis.default_filter_chain):
+        cfg = set_filter_state_pb2.Config()
+        chain.filters[0].typed_config.Unpack(cfg)
+        dst = {v.object_key: v.format_string.text_format_source.inline_string
+               for v in cfg.on_new_connection}[mtls.ORIGINAL_DST_ADDRESS_STATE]
+        # the pod's own address; only the port comes from the header
+        assert dst == f"10.1.0.7:%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:port)%"
+    v6 = mtls.build_inbound_local_listener("c2", "/run/netns/c2", ("fd00::7",), ipv4=False)
+    assert v6.address.socket_address.address == "::1"

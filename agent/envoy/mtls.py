@@ -1,34 +1,43 @@
-"""Pure xDS builders for the mesh hop: mTLS between node proxies over HTTP/2 CONNECT.
+"""Pure xDS builders for the mesh hop: mTLS between node proxies, one TLS connection per
+proxied connection, the destination port in the TLS server name.
 
 Outbound (a captured pod calling a Service endpoint)::
 
     mesh-<ns> Service chain ─▶ svc|<ns>|<name>|<port>  (EDS; endpoints are internal addresses
-                               of ``hbone-out`` carrying the pod address and its SPIFFE ID)
-    hbone-out (internal listener) ─ set_filter_state: the caller's cluster, the backend SAN
-                ─▶ tcp_proxy, tunneling_config: CONNECT <pod ip>:<port>
-    hbone|<ns>|<sa> (ORIGINAL_DST, port overridden to 15008, socket in the caller's netns)
-                ─▶ TLS: the caller's SVID, the trust bundle, the backend SAN pinned ─▶ h2
+                               of ``mtls-out`` carrying the pod address and its SPIFFE ID)
+    mtls-out (internal listener) ─ set_filter_state: the caller's cluster, the backend SAN,
+                the SNI "<port>" ─▶ tcp_proxy
+    mtls|<ns>|<sa> (ORIGINAL_DST, port overridden to 15008, socket in the caller's netns)
+                ─▶ TLS 1.3: the caller's SVID, the trust bundle, the backend SAN pinned
 
 Inbound (``inbound-<container id>``, bound on :15008 in every captured pod's netns)::
 
-    TLS (the pod's SVID; a client certificate of the trust domain required) ─▶ HCM (h2)
-       CONNECT to one of the pod's own addresses only ─▶ inbound-inner (internal listener)
-    inbound-inner: HTTP (detected) ─▶ HCM adding x-forwarded-client-cert; else tcp_proxy
-       ─▶ inbound-deliver (ORIGINAL_DST = the CONNECT authority, socket in the pod's netns)
+    tls_inspector ─▶ TLS (the pod's SVID; a client certificate of the trust domain required)
+       ─▶ tcp_proxy, once the handshake is done, over the pod's loopback with a PROXY v2
+          header carrying the caller's and the pod's SPIFFE IDs and the SNI port
+    inbound-local-<container id> (127.0.0.1:15009 in the pod's netns): HTTP (detected) ─▶
+       HCM adding x-forwarded-client-cert; else tcp_proxy
+       ─▶ inbound-deliver (ORIGINAL_DST <pod ip>:<port>, socket in the pod's netns)
 
-Why CONNECT and a fixed port: the destination pod's port travels in the CONNECT authority,
-so one inbound listener per pod serves every port, and the original port never needs a
-listener of its own (HBONE's shape). Why per-caller clusters: Envoy picks the client
-certificate per cluster, so each ServiceAccount with captured pods on this node gets one
-``hbone|<ns>|<sa>`` cluster; the pod listener names it in filter state and ``hbone-out``
-hands it to ``tcp_proxy`` (``envoy.tcp_proxy.cluster``). The backend's SAN comes with the
-endpoint (metadata passed through the internal upstream) and is enforced per connection
+Why the port in SNI and not HTTP/2 CONNECT (HBONE's shape, tried first): Envoy 1.40 resets a
+CONNECT stream when its upstream closes first (envoyproxy/envoy#28329, #47378), so any
+server-closes-first exchange lost its tail; and since a tunnel's pool serves one downstream
+connection, HTTP/2 multiplexing bought nothing. TLS over TCP keeps half-close semantics
+end to end (tcp_proxy both sides). The server name is part of the TLS 1.3 handshake
+transcript, so an on-path attacker cannot change the port without breaking the handshake;
+it is visible on the wire, as the port of a plaintext connection is. The destination address
+is never taken from the client: it is the pod's own address.
+
+Why per-caller clusters: Envoy picks the client certificate per cluster, so each
+ServiceAccount with captured pods on this node gets one ``mtls|<ns>|<sa>`` cluster; the pod
+listener names it in filter state and ``mtls-out`` hands it to ``tcp_proxy``
+(``envoy.tcp_proxy.cluster``). The backend's SAN comes with the endpoint (metadata passed
+through the internal upstream) and is enforced per connection
 (``envoy.network.upstream_subject_alt_names``) on top of the trust-domain check.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,9 +57,6 @@ from envoy.config.route.v3 import route_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.http.set_filter_state.v3 import (
-    set_filter_state_pb2 as http_sfs_pb2,
-)
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -61,7 +67,6 @@ from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_ups
 from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from agent.identity.svid import Svid
@@ -69,29 +74,40 @@ from agent.identity.svid import Svid
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 INBOUND_PORT = 15008
 TRUST_BUNDLE_SECRET = "trust-bundle"
-HBONE_OUT_LISTENER = "hbone-out"
-HBONE_CLUSTER_PREFIX = "hbone|"
+MTLS_OUT_LISTENER = "mtls-out"
+MTLS_CLUSTER_PREFIX = "mtls|"
 # Tcp_proxy's default when no caller cluster was named: no such cluster, so the connection
 # is closed (fail closed), never sent in plaintext.
-NO_IDENTITY_CLUSTER = "hbone|no-identity"
+NO_IDENTITY_CLUSTER = "mtls|no-identity"
 INBOUND_LISTENER_PREFIX = "inbound-"
-INBOUND_INNER = "inbound-inner"
+# After TLS, a pod's mesh connections cross a real loopback socket in its netns (not an
+# Envoy internal listener: Envoy 1.40 can lose the tail of a response when the far side of an
+# internal connection closes first, envoyproxy/envoy#28329) to its local listener, which
+# adds XFCC to HTTP and delivers.
+INBOUND_LOCAL_PORT = 15009
+INBOUND_LOCAL_PREFIX = "inbound-local-"
+INBOUND_LOCAL_CLUSTERS = {"4": "inbound-local4", "6": "inbound-local6"}
 INBOUND_DELIVER_CLUSTER = "inbound-deliver"
 HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
-# Filter state: the caller's hbone cluster (set by the pod listener, transitive), the
-# backend SAN (set in hbone-out for its upstream), the caller's and our own SPIFFE IDs on the
-# inbound side.
-CALLER_CLUSTER_STATE = "aether.hbone_cluster"
+# Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
+# backend SAN and server name (set in mtls-out for its upstream), the caller's and our own
+# SPIFFE IDs on the inbound side.
+CALLER_CLUSTER_STATE = "aether.mtls_cluster"
+# PROXY protocol TLVs from the inbound listener to inbound-inner: the caller's and our own
+# SPIFFE IDs (types in the PP2 custom range 0xE0-0xEF), read back into filter state there.
+PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV = 0xE0, 0xE1, 0xE2
+PROXY_TLV_STATE = "envoy.network.proxy_protocol.tlv"
+UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
 PEER_ID_STATE = "aether.peer_id"
 LOCAL_ID_STATE = "aether.local_id"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
 UPSTREAM_SAN_STATE = "envoy.network.upstream_subject_alt_names"
-ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
+ORIGINAL_DST_ADDRESS_STATE = "envoy.network.transport_socket.original_dst_address"
 UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
 STRING_FACTORY = "envoy.string"
 # Endpoint metadata namespaces: original_dst's (the pod address, read by the original_dst
-# listener filter of hbone-out) and ours (the backend SAN).
+# listener filter of mtls-out) and ours (the backend SAN).
 ORIGINAL_DST_METADATA = "envoy.filters.listener.original_dst"
 AETHER_METADATA = "aether"
 XFCC = "x-forwarded-client-cert"
@@ -117,9 +133,9 @@ def svid_secret_name(identity: str) -> str:
     return f"svid|{ns}|{sa}"
 
 
-def hbone_cluster_name(identity: str) -> str:
+def mtls_cluster_name(identity: str) -> str:
     ns, _, sa = identity.partition("/")
-    return f"{HBONE_CLUSTER_PREFIX}{ns}|{sa}"
+    return f"{MTLS_CLUSTER_PREFIX}{ns}|{sa}"
 
 
 def inbound_listener_name(uid: str) -> str:
@@ -127,7 +143,7 @@ def inbound_listener_name(uid: str) -> str:
 
 
 def host_port(ip: str, port: int) -> str:
-    """``ip:port``, IPv6 bracketed (the CONNECT authority and Envoy's address strings)."""
+    """``ip:port``, IPv6 bracketed (Envoy's address strings)."""
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
@@ -154,11 +170,15 @@ def _sds(name: str) -> secret_pb2.SdsSecretConfig:
         resource_api_version=config_source_pb2.V3))
 
 
+MESH_ALPN = "aether-mesh"
+
+
 def _common_tls(identity: str, trust_domain: str) -> tls_pb2.CommonTlsContext:
-    """Our SVID, the bundle, peers of our trust domain only (URI SAN prefix), h2, TLS 1.3."""
+    """Our SVID, the bundle, peers of our trust domain only (URI SAN prefix), TLS 1.3, and
+    our own ALPN (a mesh hop is not mistaken for any other TLS protocol)."""
     ctx = tls_pb2.CommonTlsContext(
         tls_certificate_sds_secret_configs=[_sds(svid_secret_name(identity))],
-        alpn_protocols=["h2"])
+        alpn_protocols=[MESH_ALPN])
     ctx.tls_params.tls_minimum_protocol_version = common_pb2.TlsParameters.TLSv1_3
     ctx.tls_params.tls_maximum_protocol_version = common_pb2.TlsParameters.TLSv1_3
     combined = ctx.combined_validation_context
@@ -212,9 +232,9 @@ def _network_state_filter(*values: value_pb2.FilterStateValue) -> listener_compo
 
 
 def caller_state(identity: str) -> value_pb2.FilterStateValue:
-    """Set by a pod's capture listener: which hbone cluster (client certificate) its mesh
-    connections use. Transitive: it crosses mesh-<ns> and the Service cluster to hbone-out."""
-    return _state(CALLER_CLUSTER_STATE, hbone_cluster_name(identity), STRING_FACTORY,
+    """Set by a pod's capture listener: which mtls cluster (client certificate) its mesh
+    connections use. Transitive: it crosses mesh-<ns> and the Service cluster to mtls-out."""
+    return _state(CALLER_CLUSTER_STATE, mtls_cluster_name(identity), STRING_FACTORY,
                   "transitive")
 
 
@@ -230,19 +250,19 @@ def _internal_upstream(*metadata: str) -> base_pb2.TransportSocket:
 
 
 def tunnel_transport_socket() -> base_pb2.TransportSocket:
-    """A Service cluster's transport in mTLS mode: to ``hbone-out`` with the endpoint's pod
+    """A Service cluster's transport in mTLS mode: to ``mtls-out`` with the endpoint's pod
     address and SAN passed along as metadata."""
     return _internal_upstream(ORIGINAL_DST_METADATA, AETHER_METADATA)
 
 
 def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
                        extra: Mapping[str, str] | None = None) -> endpoint_components_pb2.LbEndpoint:
-    """A Service endpoint as an internal address of ``hbone-out``: the real ``ip:port`` is its
+    """A Service endpoint as an internal address of ``mtls-out``: the real ``ip:port`` is its
     endpoint id (distinct hosts) and the original_dst metadata; the SAN pins the backend."""
     target = host_port(ip, port)
     lb = endpoint_components_pb2.LbEndpoint(health_status=health)
     addr = lb.endpoint.address.envoy_internal_address
-    addr.server_listener_name = HBONE_OUT_LISTENER
+    addr.server_listener_name = MTLS_OUT_LISTENER
     addr.endpoint_id = target
     odst = struct_pb2.Struct()
     odst.update({"local": target})
@@ -253,38 +273,37 @@ def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
     return lb
 
 
-def build_hbone_out_listener() -> listener_pb2.Listener:
-    """Internal listener that opens the tunnel: restores the pod address from the endpoint
-    metadata, picks the caller's cluster and pins the backend SAN, then CONNECTs."""
-    odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
+def build_mtls_out_listener() -> listener_pb2.Listener:
+    """Internal listener that opens the mesh hop: restores the pod address from the endpoint
+    metadata, picks the caller's cluster, pins the backend SAN and names the destination
+    port in SNI."""
     from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
+    odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
     odst.typed_config.Pack(original_dst_pb2.OriginalDst())
     state = _network_state_filter(
         _state(TCP_PROXY_CLUSTER_STATE, f"%FILTER_STATE({CALLER_CLUSTER_STATE}:PLAIN)%"),
         _state(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%", shared="once"),
+        _state(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%", shared="once"),
     )
-    tcp = tcp_proxy_pb2.TcpProxy(
-        stat_prefix=HBONE_OUT_LISTENER, cluster=NO_IDENTITY_CLUSTER,
-        tunneling_config=tcp_proxy_pb2.TcpProxy.TunnelingConfig(
-            hostname="%DOWNSTREAM_LOCAL_ADDRESS%"))
     proxy = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    proxy.typed_config.Pack(tcp)
+    proxy.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=MTLS_OUT_LISTENER,
+                                                   cluster=NO_IDENTITY_CLUSTER))
     return listener_pb2.Listener(
-        name=HBONE_OUT_LISTENER, stat_prefix=HBONE_OUT_LISTENER,
+        name=MTLS_OUT_LISTENER, stat_prefix=MTLS_OUT_LISTENER,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
         listener_filters=[odst],
         default_filter_chain=listener_components_pb2.FilterChain(
-            name="tunnel", filters=[state, proxy]))
+            name="mtls", filters=[state, proxy]))
 
 
-def build_hbone_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfig,
-                        connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """The caller ``identity``'s tunnel cluster: to the pod address on the inbound port, from
-    the caller's netns (``bind``: the netns selector and the proxy mark), mTLS with its SVID,
-    HTTP/2. One pool per downstream connection: a pooled tunnel was opened in one pod's netns
-    and authenticated as one caller."""
+def build_mtls_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfig,
+                       connect_timeout_s: float) -> cluster_pb2.Cluster:
+    """The caller ``identity``'s mesh cluster: to the pod address on the inbound port, from
+    the caller's netns (``bind``: the netns selector and the proxy mark), mTLS with its SVID.
+    One pool per downstream connection (tcp_proxy: one upstream connection per downstream
+    connection anyway)."""
     c = cluster_pb2.Cluster(
-        name=hbone_cluster_name(identity),
+        name=mtls_cluster_name(identity),
         type=cluster_pb2.Cluster.ORIGINAL_DST,
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         connect_timeout=_duration(connect_timeout_s),
@@ -295,63 +314,15 @@ def build_hbone_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfi
     c.transport_socket.CopyFrom(_transport_socket(
         "envoy.transport_sockets.tls",
         tls_pb2.UpstreamTlsContext(common_tls_context=_common_tls(identity, tls.trust_domain))))
-    opts = http_protocol_options_pb2.HttpProtocolOptions()
-    opts.explicit_http_config.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
-    # one CONNECT per tunnel: a pool serves one downstream connection, so a tunnel can never be
-    # reused; closing it with its stream keeps idle tunnels from piling up
-    opts.common_http_protocol_options.max_requests_per_connection.value = 1
-    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
     unlimited_circuit_breakers(c)
     return c
 
 
 # ---- inbound --------------------------------------------------------------------------------
 
-def _authority_regex(ips: Sequence[str], forbidden_ports: Sequence[int]) -> str:
-    """The pod's own addresses with any port but ours: CONNECT may only reach the pod itself
-    (never another address: the inbound side is not a relay), never the proxy's own ports."""
-    hosts = "|".join(re.escape(f"[{ip}]" if ":" in ip else ip) for ip in ips)
-    return f"^({hosts}):([0-9]{{1,5}})$"
-
-
-def _deny_ports_regex(forbidden_ports: Sequence[int]) -> str:
-    return ".*:(" + "|".join(str(p) for p in sorted(set(forbidden_ports))) + ")$"
-
-
-def _connect_route_config(uid: str, ips: Sequence[str], forbidden_ports: Sequence[int]
-                          ) -> route_pb2.RouteConfiguration:
-    def header(pattern: str) -> rc.HeaderMatcher:
-        return rc.HeaderMatcher(name=":authority", string_match=string_pb2.StringMatcher(
-            safe_regex=regex_pb2.RegexMatcher(regex=pattern)))
-
-    deny = rc.Route(name="own-port", match=rc.RouteMatch(
-        connect_matcher=rc.RouteMatch.ConnectMatcher(),
-        headers=[header(_deny_ports_regex(forbidden_ports))]))
-    deny.direct_response.status = 403
-    allow = rc.Route(name="deliver", match=rc.RouteMatch(
-        connect_matcher=rc.RouteMatch.ConnectMatcher(),
-        headers=[header(_authority_regex(ips, forbidden_ports))]))
-    allow.route.cluster = INBOUND_INNER
-    allow.route.timeout.CopyFrom(_duration(0))
-    allow.route.upgrade_configs.add(upgrade_type="CONNECT").connect_config.SetInParent()
-    other = rc.Route(name="not-this-pod", match=rc.RouteMatch(
-        connect_matcher=rc.RouteMatch.ConnectMatcher()))
-    other.direct_response.status = 403
-    return route_pb2.RouteConfiguration(
-        name=f"inbound-{uid}",
-        virtual_hosts=[rc.VirtualHost(name="inbound", domains=["*"],
-                                      routes=[deny, allow, other])])
-
-
-def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
-    f = hcm_pb2.HttpFilter(name=name)
-    f.typed_config.Pack(msg)
-    return f
-
-
 INBOUND_LOG_FORMAT = (
     "[%START_TIME%] inbound listener=%LISTENER_NAME% peer=%DOWNSTREAM_PEER_URI_SAN% "
-    "from=%DOWNSTREAM_REMOTE_ADDRESS% -> %REQ(:AUTHORITY)% status=%RESPONSE_CODE% "
+    "from=%DOWNSTREAM_REMOTE_ADDRESS% -> port %REQUESTED_SERVER_NAME% "
     "flags=%RESPONSE_FLAGS% rx=%BYTES_RECEIVED% tx=%BYTES_SENT% dur=%DURATION%ms\n")
 
 
@@ -365,123 +336,197 @@ def inbound_access_log() -> accesslog_pb2.AccessLog:
     return log
 
 
+def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
+    f = hcm_pb2.HttpFilter(name=name)
+    f.typed_config.Pack(msg)
+    return f
+
+
+def inbound_local_listener_name(uid: str) -> str:
+    return f"{INBOUND_LOCAL_PREFIX}{uid}"
+
+
 def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequence[str],
                            tls: MeshTls, ipv4: bool = True, ipv6: bool = True,
                            forbidden_ports: Sequence[int] = (),
                            access_log: bool = False) -> listener_pb2.Listener:
     """``inbound-<uid>``: the pod's end of the mesh hop, bound on the inbound port of every
-    address in its netns. Terminates mTLS (a peer certificate of the trust domain required),
-    accepts CONNECT to the pod's own addresses and hands the stream, the caller's SPIFFE ID
-    and the pod's netns to ``inbound-inner``."""
+    address in its netns. Terminates mTLS (a peer certificate of the trust domain and our
+    ALPN required); once the handshake is done, relays the connection over the pod's
+    loopback to ``inbound-local-<uid>`` with both SPIFFE IDs and the port (from SNI) in a
+    PROXY v2 header. A server name that is one of the proxy's ports (a loop) matches a
+    closing chain; one that is not a port is refused where it is delivered."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
-    downstream = tls_pb2.DownstreamTlsContext(
-        common_tls_context=_common_tls(identity, tls.trust_domain))
-    downstream.require_client_certificate.value = True
-    state = http_sfs_pb2.Config(on_request_headers=[
-        _state(ORIGINAL_DST_LOCAL_STATE, "%REQ(:AUTHORITY)%", shared="once"),
-        _state(PEER_ID_STATE, "%DOWNSTREAM_PEER_URI_SAN%", STRING_FACTORY, "once"),
-        _state(LOCAL_ID_STATE, "%DOWNSTREAM_LOCAL_URI_SAN%", STRING_FACTORY, "once"),
-        _state(UPSTREAM_NETNS_STATE, netns_path, STRING_FACTORY, "transitive"),
-    ])
-    hcm = hcm_pb2.HttpConnectionManager(
-        stat_prefix=inbound_listener_name(uid),
-        codec_type=hcm_pb2.HttpConnectionManager.HTTP2,
-        route_config=_connect_route_config(uid, ips, (tls.inbound_port, *forbidden_ports)),
-        http_filters=[_http_filter("envoy.filters.http.set_filter_state", state),
-                      _http_filter("envoy.filters.http.router", router_pb2.Router())],
-        upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="CONNECT")],
-    )
-    hcm.http2_protocol_options.allow_connect = True
-    if access_log:
-        hcm.access_log.append(inbound_access_log())
-    net = listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager")
-    net.typed_config.Pack(hcm)
-    chain = listener_components_pb2.FilterChain(
-        name="mtls", filters=[net],
-        transport_socket=_transport_socket("envoy.transport_sockets.tls", downstream))
+    forbidden = {str(p) for p in (tls.inbound_port, INBOUND_LOCAL_PORT, *forbidden_ports)}
+    logs = [inbound_access_log()] if access_log else []
     addrs = ([("0.0.0.0", tls.inbound_port)] if ipv4 else []) + \
         ([("::", tls.inbound_port)] if ipv6 else [])
     if not addrs:
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
+    local = INBOUND_LOCAL_CLUSTERS["4" if ipv4 else "6"]
 
-    def sock(ip: str, port: int) -> address_pb2.Address:
-        return address_pb2.Address(socket_address=address_pb2.SocketAddress(
-            address=ip, port_value=port, network_namespace_filepath=netns_path))
+    def match(family: str, **kw: object) -> listener_components_pb2.FilterChainMatch:
+        # every chain names its destination range: Envoy narrows on the destination address
+        # before the server name, so a chain without one would compete at that step
+        m = listener_components_pb2.FilterChainMatch(transport_protocol="tls", **kw)
+        cidr = m.prefix_ranges.add(address_prefix="::" if family == "6" else "0.0.0.0")
+        cidr.prefix_len.value = 0
+        return m
 
+    def chain(family: str) -> listener_components_pb2.FilterChain:
+        downstream = tls_pb2.DownstreamTlsContext(
+            common_tls_context=_common_tls(identity, tls.trust_domain))
+        downstream.require_client_certificate.value = True
+        state = _network_state_filter(
+            _state(UPSTREAM_NETNS_STATE, netns_path, STRING_FACTORY, "once"))
+        # the peer's identity exists only once the handshake is done (filter state is set
+        # when the connection is accepted): the upstream waits for it
+        tcp = tcp_proxy_pb2.TcpProxy(
+            stat_prefix=inbound_listener_name(uid), cluster=local, access_log=logs,
+            upstream_connect_mode=tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE)
+        tcp.max_early_data_bytes.value = 0  # nothing is read before the handshake is done
+        for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
+                              (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%"),
+                              (PORT_TLV, "%REQUESTED_SERVER_NAME%")):
+            tlv = tcp.proxy_protocol_tlvs.add(type=tlv_type)
+            tlv.format_string.text_format_source.inline_string = fmt
+        proxy = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
+        proxy.typed_config.Pack(tcp)
+        return listener_components_pb2.FilterChain(
+            name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
+            filters=[state, proxy],
+            transport_socket=_transport_socket("envoy.transport_sockets.tls", downstream))
+
+    def deny(family: str) -> listener_components_pb2.FilterChain:
+        return listener_components_pb2.FilterChain(
+            name=f"own-ports-v{family}", filter_chain_match=match(family, server_names=sorted(forbidden)),
+            filters=[_closing_filter(inbound_listener_name(uid))])
+
+    inspector = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.tls_inspector")
+    from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
+    inspector.typed_config.Pack(tls_inspector_pb2.TlsInspector())
     lis = listener_pb2.Listener(
         name=inbound_listener_name(uid), stat_prefix=inbound_listener_name(uid),
-        address=sock(*addrs[0]), filter_chains=[chain])
+        address=_sock(*addrs[0], netns_path), listener_filters=[inspector],
+        filter_chains=[c for f, on in (("4", ipv4), ("6", ipv6)) if on
+                       for c in (deny(f), chain(f))])
     for a in addrs[1:]:
-        lis.additional_addresses.add().address.CopyFrom(sock(*a))
+        lis.additional_addresses.add().address.CopyFrom(_sock(*a, netns_path))
     if ipv4 and ipv6:
         lis.address.socket_address.ipv4_compat = False
     return lis
 
 
-def build_inbound_inner_listener() -> listener_pb2.Listener:
-    """Internal listener after the CONNECT: the pod address and port restored, HTTP detected
-    (the request gets ``x-forwarded-client-cert`` with the caller's SPIFFE ID; a caller's own
-    XFCC is dropped first), anything else relayed as TCP; both to ``inbound-deliver``."""
-    from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
-    odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
-    odst.typed_config.Pack(original_dst_pb2.OriginalDst())
+def _sock(ip: str, port: int, netns_path: str) -> address_pb2.Address:
+    return address_pb2.Address(socket_address=address_pb2.SocketAddress(
+        address=ip, port_value=port, network_namespace_filepath=netns_path))
+
+
+def _closing_filter(stat_prefix: str) -> listener_components_pb2.Filter:
+    """tcp_proxy to a cluster that does not exist: the connection is closed."""
+    f = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
+    f.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=stat_prefix,
+                                               cluster=NO_IDENTITY_CLUSTER))
+    return f
+
+
+def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
+                                 ipv4: bool = True) -> listener_pb2.Listener:
+    """``inbound-local-<uid>``, on the pod's loopback: reads the PROXY v2 header the inbound
+    listener sent, detects HTTP (its requests get ``x-forwarded-client-cert: By=<pod's
+    id>;URI=<caller's id>``, any XFCC the caller sent removed first) and delivers everything
+    to ``<pod ip>:<port>`` from inside the pod's netns. The address is the pod's own, never
+    the header's: a process of the pod that writes its own header here reaches nothing it
+    could not reach directly."""
+    from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
+    name = inbound_local_listener_name(uid)
+    target = host_port(ips[0], 0)[:-2]  # "ip" or "[ip]" (the first address: v4 when dual)
+    pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
+    for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local"), (PORT_TLV, "port")):
+        rule = pp.rules.add(tlv_type=tlv_type)
+        rule.on_tlv_present.key = key
+    ppf = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.proxy_protocol")
+    ppf.typed_config.Pack(pp)
     inspector = listener_components_pb2.ListenerFilter(
         name="envoy.filters.listener.http_inspector")
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
+
+    def state() -> listener_components_pb2.Filter:
+        return _network_state_filter(
+            _state(ORIGINAL_DST_ADDRESS_STATE,
+                   f"{target}:%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%", shared="once"),
+            _state(UPSTREAM_NETNS_STATE, netns_path, STRING_FACTORY, "once"))
+
     xfcc = base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(
-            key=XFCC, value=(f"By=%FILTER_STATE({LOCAL_ID_STATE}:PLAIN)%;"
-                             f"URI=%FILTER_STATE({PEER_ID_STATE}:PLAIN)%")),
+            key=XFCC, value=(f"By=%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%;"
+                             f"URI=%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%")),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
     route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
                      request_headers_to_add=[xfcc])
     route.route.cluster = INBOUND_DELIVER_CLUSTER
     route.route.timeout.CopyFrom(_duration(0))
     hcm = hcm_pb2.HttpConnectionManager(
-        stat_prefix=INBOUND_INNER,
+        stat_prefix=name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         forward_client_cert_details=hcm_pb2.HttpConnectionManager.SANITIZE,
         route_config=route_pb2.RouteConfiguration(
-            name=INBOUND_INNER, virtual_hosts=[rc.VirtualHost(
+            name=name, virtual_hosts=[rc.VirtualHost(
                 name="deliver", domains=["*"], routes=[route])]),
         http_filters=[_http_filter("envoy.filters.http.router", router_pb2.Router())],
     )
     hcm_filter = listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager")
     hcm_filter.typed_config.Pack(hcm)
     http_chain = listener_components_pb2.FilterChain(
-        name="http", filters=[hcm_filter],
+        name="http", filters=[state(), hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(
             application_protocols=["http/1.1", "h2c"]))
     tcp = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    tcp.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=INBOUND_INNER,
+    tcp.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=name,
                                                  cluster=INBOUND_DELIVER_CLUSTER))
-    lis = listener_pb2.Listener(
-        name=INBOUND_INNER, stat_prefix=INBOUND_INNER,
-        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=[odst, inspector],
+    return listener_pb2.Listener(
+        name=name, stat_prefix=name,
+        address=_sock("127.0.0.1" if ipv4 else "::1", INBOUND_LOCAL_PORT, netns_path),
+        listener_filters=[ppf, inspector],
         listener_filters_timeout=_duration(DETECT_TIMEOUT_S),
         continue_on_listener_filters_timeout=True,
         filter_chains=[http_chain],
-        default_filter_chain=listener_components_pb2.FilterChain(name="tcp", filters=[tcp]))
-    return lis
+        default_filter_chain=listener_components_pb2.FilterChain(
+            name="tcp", filters=[state(), tcp]))
 
 
-def build_inbound_inner_cluster(connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """STATIC cluster whose one host is ``inbound-inner``; hands the filter state along."""
-    c = cluster_pb2.Cluster(name=INBOUND_INNER, type=cluster_pb2.Cluster.STATIC,
-                            connect_timeout=_duration(connect_timeout_s),
-                            transport_socket=_internal_upstream())
-    c.load_assignment.cluster_name = INBOUND_INNER
-    c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address \
-        .envoy_internal_address.server_listener_name = INBOUND_INNER
+def build_inbound_local_cluster(family: str, bind: address_pb2.BindConfig,
+                                connect_timeout_s: float) -> cluster_pb2.Cluster:
+    """To the pod's local listener over its loopback (the socket opened in the pod's netns,
+    named by filter state), with a PROXY v2 header carrying the TLVs the inbound listener set."""
+    from envoy.config.core.v3 import proxy_protocol_pb2
+    from envoy.extensions.transport_sockets.proxy_protocol.v3 import upstream_proxy_protocol_pb2
+    raw = _transport_socket("envoy.transport_sockets.raw_buffer", raw_buffer_pb2.RawBuffer())
+    pp = _transport_socket("envoy.transport_sockets.upstream_proxy_protocol",
+                           upstream_proxy_protocol_pb2.ProxyProtocolUpstreamTransport(
+                               config=proxy_protocol_pb2.ProxyProtocolConfig(
+                                   version=proxy_protocol_pb2.ProxyProtocolConfig.V2,
+                                   pass_through_tlvs=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs(
+                                       match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
+                                       tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV])),
+                               transport_socket=raw))
+    name = INBOUND_LOCAL_CLUSTERS[family]
+    c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.STATIC,
+                            connect_timeout=_duration(connect_timeout_s), transport_socket=pp,
+                            upstream_bind_config=bind,
+                            connection_pool_per_downstream_connection=True)
+    c.load_assignment.cluster_name = name
+    c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address.socket_address \
+        .MergeFrom(address_pb2.SocketAddress(address="127.0.0.1" if family == "4" else "::1",
+                                             port_value=INBOUND_LOCAL_PORT))
     unlimited_circuit_breakers(c)
     return c
 
 
 def build_inbound_deliver_cluster(bind: address_pb2.BindConfig, connect_timeout_s: float
                                   ) -> cluster_pb2.Cluster:
-    """ORIGINAL_DST to the CONNECT authority, opened in the destination pod's netns: the
+    """ORIGINAL_DST to the restored destination, opened in the destination pod's netns: the
     application sees a connection from its own address, as for a local client."""
     c = cluster_pb2.Cluster(
         name=INBOUND_DELIVER_CLUSTER, type=cluster_pb2.Cluster.ORIGINAL_DST,
@@ -492,7 +537,7 @@ def build_inbound_deliver_cluster(bind: address_pb2.BindConfig, connect_timeout_
     cfg = opts.use_downstream_protocol_config
     cfg.http_protocol_options.CopyFrom(protocol_pb2.Http1ProtocolOptions())
     cfg.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
-    # HTTP deliveries: the pool lives as long as its downstream (one tunnel); do not keep the
+    # HTTP deliveries: the pool lives as long as its downstream (one connection); do not keep the
     # connection to the application open past it
     opts.common_http_protocol_options.idle_timeout.CopyFrom(_duration(5.0))
     c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)

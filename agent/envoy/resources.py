@@ -429,7 +429,7 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
     backends); tcp_proxy ignores it. Upstream sockets are opened in the calling pod's netns
     with the mark, pooled per downstream connection (``upstream_bind_config``).
-    ``tunnel`` (mesh identity on): the endpoints are ``hbone-out`` internal addresses instead
+    ``tunnel`` (mesh identity on): the endpoints are ``mtls-out`` internal addresses instead
     and the pod's netns travels there in filter state (``agent.envoy.mtls``)."""
     from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
 
@@ -1003,13 +1003,18 @@ class ResourceBuilder:
                         access_log=state.connection_log)
                 cache[ik] = inbound
                 listeners[mtls.inbound_listener_name(pod.uid)] = inbound
+                lk = ("local", pod)
+                local = self._pod_listeners.get(lk)
+                if local is None:
+                    local = mtls.build_inbound_local_listener(pod.uid, pod.netns_path, pod.ips,
+                                                              pod.ipv4)
+                cache[lk] = local
+                listeners[mtls.inbound_local_listener_name(pod.uid)] = local
         self._pod_listeners = cache
         listeners.update(ns_listeners)
         if tls is not None:
-            listeners[mtls.HBONE_OUT_LISTENER] = self._fixed(
-                "hbone-out", lambda: mtls.build_hbone_out_listener())
-            listeners[mtls.INBOUND_INNER] = self._fixed(
-                "inbound-inner", lambda: mtls.build_inbound_inner_listener())
+            listeners[mtls.MTLS_OUT_LISTENER] = self._fixed(
+                "mtls-out", lambda: mtls.build_mtls_out_listener())
 
         pt_key = (state.passthrough_mark, state.connect_timeout_s)
         if self._passthrough is None or self._passthrough[0] != pt_key:
@@ -1027,12 +1032,15 @@ class ResourceBuilder:
             t = state.connect_timeout_s
             bind_key = (state.passthrough_mark, t)
             for identity in sorted({p.identity for p in pods if p.identity in held}):
-                ns_clusters[mtls.hbone_cluster_name(identity)] = self._fixed(
-                    ("hbone", identity, tls.trust_domain, tls.inbound_port, bind_key),
-                    partial(mtls.build_hbone_cluster, identity, tls,
+                ns_clusters[mtls.mtls_cluster_name(identity)] = self._fixed(
+                    ("mtls", identity, tls.trust_domain, tls.inbound_port, bind_key),
+                    partial(mtls.build_mtls_cluster, identity, tls,
                             upstream_bind_config(state.passthrough_mark), t))
-            ns_clusters[mtls.INBOUND_INNER] = self._fixed(
-                ("inbound-inner", t), lambda: mtls.build_inbound_inner_cluster(t))
+            for fam, name in mtls.INBOUND_LOCAL_CLUSTERS.items():
+                ns_clusters[name] = self._fixed(
+                    ("inbound-local", fam, bind_key), partial(
+                        mtls.build_inbound_local_cluster, fam,
+                        upstream_bind_config(state.passthrough_mark), t))
             ns_clusters[mtls.INBOUND_DELIVER_CLUSTER] = self._fixed(
                 ("inbound-deliver", bind_key), lambda: mtls.build_inbound_deliver_cluster(
                     upstream_bind_config(state.passthrough_mark), t))

@@ -389,8 +389,9 @@ class EnvoySink:
         closed instead (redirect rules stay, nothing listens) and status names the reason."""
         if type_url == LISTENER_TYPE:
             with self._lock:
-                named = [cid for cid in self._pods if nack_names(f"capture-{cid}", detail)
-                         or nack_names(f"inbound-{cid}", detail)]
+                named = [cid for cid in self._pods if any(
+                    nack_names(f"{prefix}{cid}", detail)
+                    for prefix in ("capture-", "inbound-", "inbound-local-"))]
                 for cid in named:
                     del self._pods[cid]
                     self._rejected[cid] = detail.strip()
