@@ -42,7 +42,7 @@ class NodeConfig:
     # The node's own addresses (its netns at agent start): STRICT pods accept plaintext from
     # these only, which is where kubelet's health probes come from.
     node_addresses: tuple[str, ...] = ()
-    # Where captured pods accept the mesh hop (mTLS, HTTP/2 CONNECT).
+    # Where captured pods accept the mesh hop (mTLS, the destination port in SNI).
     inbound_port: int = 15008
 
     @property

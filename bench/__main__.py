@@ -25,6 +25,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
     "xds_build": {"full": ["--services", "1000,10000", "--pods", "110"], "quick": ["--quick"]},
     "agent_scale": {"full": ["--pods", "50000,100000", "--services", "10000"],
                     "quick": ["--quick"]},
+    "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
 }
 
 
@@ -156,8 +157,27 @@ def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for shape, label in (("keepalive", "mTLS hop, keep-alive -c32, requests/s"),
+                         ("newconn", "mTLS hop, new connection per request, requests/s")):
+        s = d["shapes"].get(shape)
+        if not s:
+            continue
+        lo, hi = (s["spread"] + [0.0, 0.0])[:2]
+        verdict = "-"
+        if "target" in s:
+            verdict = ("PASS" if s["target_met"] else "MISS") + f" (≥ {s['target']:g}×)"
+        elif shape == "newconn":
+            verdict = "- (a TLS handshake each)"
+        out.append(("mesh_mtls", label, f"{s['mesh_rps_median']:.0f}",
+                    f"direct {s['direct_rps_median']:.0f}",
+                    f"{s['rps_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
+    return out
+
+
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
-        "agent_scale": rows_agent_scale}
+        "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls}
 
 
 def machine() -> str:

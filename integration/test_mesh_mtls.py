@@ -1,5 +1,5 @@
 """The mesh hop with identity (#16): a captured client calling a Service reaches the backend
-pod's inbound listener as mTLS over HTTP/2 CONNECT, presenting its own SVID and accepting
+pod's inbound listener as mTLS (the port in SNI), presenting its own SVID and accepting
 only the backend's SAN; the backend application sees the caller's SPIFFE ID."""
 
 from __future__ import annotations
