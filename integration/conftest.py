@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -339,14 +340,23 @@ class EnvoyNode(Node):
         raise AssertionError("envoy not ready")
 
 
+@contextlib.contextmanager
+def running(n: EnvoyNode) -> Iterator[EnvoyNode]:
+    """The node's agent started with its Envoy ready; afterwards every pod cleaned, the agent
+    stopped, and its log free of tracebacks."""
+    n.agent.start()
+    try:
+        n.wait_ready()
+        yield n
+    finally:
+        n.cleanup()
+        n.agent.stop()
+    assert "Traceback" not in n.agent.logs()
+
+
 @pytest.fixture
 def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
-    n = EnvoyNode(workdir, bridge_name)
-    n.agent.start()
-    n.wait_ready()
-    yield n
-    n.cleanup()
-    n.agent.stop()
-    assert "Traceback" not in n.agent.logs()
+    with running(EnvoyNode(workdir, bridge_name)) as n:
+        yield n
 
 

@@ -21,8 +21,9 @@ import pytest
 
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
+from agent.testing.kubelet import Pod
 from agent.testing.netutil import http_echo_server, http_get_from
-from integration.conftest import EnvoyNode
+from integration.conftest import EnvoyNode, running
 from integration.wire import Sniffer
 
 SVC_IP = "10.96.70.10"
@@ -38,14 +39,10 @@ def svid_ttl() -> float:
 def mnode(workdir: str, bridge_name: str, svid_ttl: float) -> Iterator[EnvoyNode]:
     ca = os.path.join(workdir, "ca")
     make_ca(ca, TD)
-    n = EnvoyNode(workdir, bridge_name, extra=["--identity-ca-dir", ca, "--trust-domain", TD,
-                                               "--svid-ttl", str(svid_ttl), "--access-log"])
-    n.agent.start()
-    n.wait_ready()
-    yield n
-    n.cleanup()
-    n.agent.stop()
-    assert "Traceback" not in n.agent.logs()
+    with running(EnvoyNode(workdir, bridge_name, extra=[
+            "--identity-ca-dir", ca, "--trust-domain", TD, "--svid-ttl", str(svid_ttl),
+            "--access-log"])) as n:
+        yield n
 
 
 def _service(node: EnvoyNode, name: str = "echo", ip: str = SVC_IP, app: str = "echo") -> None:
@@ -53,6 +50,21 @@ def _service(node: EnvoyNode, name: str = "echo", ip: str = SVC_IP, app: str = "
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
         "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": app},
                  "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
+
+
+def _echo_pair(node: EnvoyNode, *others: Pod, deps: str = "app/echo",
+               server_annotations: dict[str, str] | None = None) -> tuple[Pod, Pod, Any]:
+    """Service echo, its backend pod (SA server, an HTTP echo on 8080) and a client pod (SA
+    client) that declares ``deps``, all added (then ``others``); returns (server, client,
+    the echo server to shut down)."""
+    _service(node)
+    server = node.pod(name="server", labels={"app": "echo"}, service_account="server",
+                      annotations=server_annotations)
+    client = node.pod(name="client", service_account="client",
+                      annotations={"aether.io/dependencies": deps})
+    for p in (server, client, *others):
+        node.add(p)
+    return server, client, http_echo_server(server.netns, "0.0.0.0", 8080, "server")
 
 
 def _get_ok(netns: str, ip: str, deadline_s: float = 20.0) -> tuple[int, dict[str, str], bytes]:
@@ -65,14 +77,7 @@ def _get_ok(netns: str, ip: str, deadline_s: float = 20.0) -> tuple[int, dict[st
 
 
 def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) -> None:
-    _service(mnode)
-    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server",
-                       annotations={"aether.io/dependencies": "app/echo"})
-    client = mnode.pod(name="client", service_account="client",
-                       annotations={"aether.io/dependencies": "app/echo"})
-    mnode.add(server)
-    mnode.add(client)
-    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    server, client, srv = _echo_pair(mnode)
     try:
         first_ok = _get_ok(client.netns, SVC_IP)
         assert first_ok[0] == 200
@@ -117,11 +122,12 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
     mnode.kubelet.delete(server)
     mnode.pods.remove(server)
     deadline = time.monotonic() + 10
-    while any(n.startswith(f"inbound-{server.container_id}") for n in mnode.listeners()):
-        assert time.monotonic() < deadline, "inbound listener left after DEL"
+    # capture-, inbound- and inbound-local-<container id>
+    while any(n.endswith(server.container_id) for n in mnode.listeners()):
+        assert time.monotonic() < deadline, "a listener of the pod left after DEL"
         time.sleep(0.1)
-    ids = {r["identity"] for r in mnode.agent.status()["envoy"]["identity"]["svids"]}
-    assert ids == {"app/client"}
+    held = {r["identity"] for r in mnode.agent.status()["envoy"]["identity"]["svids"]}
+    assert held == {"app/client"}
 
 
 class TlsImposter:
@@ -227,15 +233,9 @@ def _host_get(ip: str, port: int) -> int:
 @pytest.mark.parametrize("mode", ["strict", "permissive"])
 def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
         mnode: EnvoyNode, mode: str) -> None:
-    _service(mnode)
-    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server",
-                       annotations={"security.aether.io/peer-authentication": mode})
-    client = mnode.pod(name="client", service_account="client",
-                       annotations={"aether.io/dependencies": "app/echo"})
     outsider = mnode.pod(namespace="plain", name="outsider")  # not in the mesh
-    for p in (server, client, outsider):
-        mnode.add(p)
-    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    server, client, srv = _echo_pair(
+        mnode, outsider, server_annotations={"security.aether.io/peer-authentication": mode})
     try:
         # a meshed client gets through either way, over mTLS, and is named
         status, _h, body = _get_ok(client.netns, SVC_IP)
@@ -257,13 +257,7 @@ def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
 @pytest.mark.parametrize("svid_ttl", [6.0])
 def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
         mnode: EnvoyNode, svid_ttl: float) -> None:
-    _service(mnode)
-    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server")
-    client = mnode.pod(name="client", service_account="client",
-                       annotations={"aether.io/dependencies": "app/echo"})
-    mnode.add(server)
-    mnode.add(client)
-    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    server, client, srv = _echo_pair(mnode)
     try:
         assert _get_ok(client.netns, SVC_IP)[0] == 200
         before = mnode.agent.status()["envoy"]["identity"]["rotations"]
@@ -311,41 +305,31 @@ def test_spire_delegate_provider_end_to_end(workdir: str, bridge_name: str) -> N
     spire.register("app", "client")
     spire.register("app", "server")
     spire.start()
-    node = EnvoyNode(workdir, bridge_name, extra=["--identity-spire-socket", sock,
-                                                  "--trust-domain", TD])
-    node.agent.start()
     try:
-        node.wait_ready()
-        _service(node)
-        server = node.pod(name="server", labels={"app": "echo"}, service_account="server")
-        client = node.pod(name="client", service_account="client",
-                          annotations={"aether.io/dependencies": "app/echo"})
-        rogue = node.pod(name="rogue", service_account="rogue",
-                         annotations={"aether.io/dependencies": "app/echo"})
-        for p in (server, client, rogue):
-            node.add(p)
-        srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
-        try:
-            status, _h, body = _get_ok(client.netns, SVC_IP)
-            assert status == 200, body
-            assert f"URI=spiffe://{TD}/ns/app/sa/client" in \
-                json.loads(body)["headers"]["x-forwarded-client-cert"]
-            # no registration entry: no SVID; its mesh connections are refused, not plaintext
-            st = node.agent.status()
-            assert st["degraded"] and any("app/rogue" in p and "no SVID" in p
-                                          for p in st["envoy"]["identity"]["problems"])
-            assert http_get_from(rogue.netns, SVC_IP, 80, count=1, timeout=3)[0][0] == 0
-            spire.register("app", "rogue")  # registered: the retry picks it up
-            status, _h, body = _get_ok(rogue.netns, SVC_IP)
-            assert status == 200
-            assert "sa/rogue" in json.loads(body)["headers"]["x-forwarded-client-cert"]
-        finally:
-            srv.shutdown()
+        with running(EnvoyNode(workdir, bridge_name, extra=[
+                "--identity-spire-socket", sock, "--trust-domain", TD])) as node:
+            rogue = node.pod(name="rogue", service_account="rogue",
+                             annotations={"aether.io/dependencies": "app/echo"})
+            _server, client, srv = _echo_pair(node, rogue)
+            try:
+                status, _h, body = _get_ok(client.netns, SVC_IP)
+                assert status == 200, body
+                assert f"URI=spiffe://{TD}/ns/app/sa/client" in \
+                    json.loads(body)["headers"]["x-forwarded-client-cert"]
+                # no registration entry: no SVID; its mesh connections are refused, not
+                # sent in plaintext
+                st = node.agent.status()
+                assert st["degraded"] and any("app/rogue" in p and "no SVID" in p
+                                              for p in st["envoy"]["identity"]["problems"])
+                assert http_get_from(rogue.netns, SVC_IP, 80, count=1, timeout=3)[0][0] == 0
+                spire.register("app", "rogue")  # registered: the retry picks it up
+                status, _h, body = _get_ok(rogue.netns, SVC_IP)
+                assert status == 200
+                assert "sa/rogue" in json.loads(body)["headers"]["x-forwarded-client-cert"]
+            finally:
+                srv.shutdown()
     finally:
-        node.cleanup()
-        node.agent.stop()
         spire.stop()
-    assert "Traceback" not in node.agent.logs()
 
 
 def _mesh_client(ca_dir: str, spiffe: str | None, alpn: bool = True) -> ssl.SSLContext:
@@ -426,18 +410,12 @@ def test_the_server_closing_first_loses_nothing(mnode: EnvoyNode) -> None:
     an HTTP request with `Connection: close` (the proxy closes after the response). Both
     answers arrive whole (an HTTP/2 CONNECT tunnel, or an Envoy internal listener on the
     inbound side, lost these tails on Envoy 1.40)."""
-    _service(mnode)
     mnode.agent.write("svc-raw.yaml", [{
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
         "spec": {"clusterIP": "10.96.70.11", "clusterIPs": ["10.96.70.11"],
                  "selector": {"app": "echo"},
                  "ports": [{"name": "raw", "port": 7000, "targetPort": 7000}]}}])
-    server = mnode.pod(name="server", labels={"app": "echo"}, service_account="server")
-    client = mnode.pod(name="client", service_account="client",
-                       annotations={"aether.io/dependencies": "app/echo,app/raw"})
-    mnode.add(server)
-    mnode.add(client)
-    srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+    server, client, srv = _echo_pair(mnode, deps="app/echo,app/raw")
     payload = b"answer-then-close\n" * 4000  # 72 KB: more than one read
 
     def listen() -> socket.socket:
