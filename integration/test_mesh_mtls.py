@@ -465,3 +465,27 @@ def test_the_server_closing_first_loses_nothing(mnode: EnvoyNode) -> None:
     finally:
         raw.close()
         srv.shutdown()
+
+
+def test_an_ipv6_service_is_mtls_too(mnode: EnvoyNode) -> None:
+    """A single-stack IPv6 Service: its endpoints are the pods' IPv6 addresses, the hop goes
+    to [pod]:15008 and is delivered inside the backend pod."""
+    ip6 = "fd00:96::70:10"
+    mnode.agent.write("svc-echo6.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo6", "namespace": "app"},
+        "spec": {"clusterIP": ip6, "clusterIPs": [ip6], "ipFamilies": ["IPv6"],
+                 "selector": {"app": "echo"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
+    server, client, srv = _echo_pair(mnode, deps="app/echo,app/echo6")
+    try:
+        status, _h, body = _get_ok(client.netns, ip6)
+        assert status == 200, body
+        seen = json.loads(body)
+        assert f"URI=spiffe://{TD}/ns/app/sa/client" in seen["headers"]["x-forwarded-client-cert"]
+        # the hop itself went to the backend's IPv6 address on the inbound port
+        hosts = mnode.admin("/clusters")
+        hop = re.search(rf"mtls\|app\|client::\[{re.escape(server.ip(6))}\]:15008::cx_total::(\d+)",
+                        hosts)
+        assert hop and int(hop.group(1)) >= 1, hosts[-2000:]
+    finally:
+        srv.shutdown()
