@@ -94,13 +94,11 @@ HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOpti
 # backend SAN and server name (set in mtls-out for its upstream), the caller's and our own
 # SPIFFE IDs on the inbound side.
 CALLER_CLUSTER_STATE = "aether.mtls_cluster"
-# PROXY protocol TLVs from the inbound listener to inbound-inner: the caller's and our own
-# SPIFFE IDs (types in the PP2 custom range 0xE0-0xEF), read back into filter state there.
+# PROXY protocol TLVs from the inbound listener to inbound-local-<cid>: the caller's and the
+# pod's SPIFFE IDs and the port (PP2 custom range 0xE0-0xEF), read back into filter state.
 PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV = 0xE0, 0xE1, 0xE2
 PROXY_TLV_STATE = "envoy.network.proxy_protocol.tlv"
 UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
-PEER_ID_STATE = "aether.peer_id"
-LOCAL_ID_STATE = "aether.local_id"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
 UPSTREAM_SAN_STATE = "envoy.network.upstream_subject_alt_names"
 ORIGINAL_DST_ADDRESS_STATE = "envoy.network.transport_socket.original_dst_address"
