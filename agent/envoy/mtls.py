@@ -91,8 +91,7 @@ INBOUND_DELIVER_CLUSTER = "inbound-deliver"
 HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
-# backend SAN and server name (set in mtls-out for its upstream), the caller's and our own
-# SPIFFE IDs on the inbound side.
+# backend SAN and server name (set in mtls-out for its upstream).
 CALLER_CLUSTER_STATE = "aether.mtls_cluster"
 # PROXY protocol TLVs from the inbound listener to inbound-local-<cid>: the caller's and the
 # pod's SPIFFE IDs and the port (PP2 custom range 0xE0-0xEF), read back into filter state.
