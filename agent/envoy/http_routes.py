@@ -28,8 +28,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, range_pb2
-from google.protobuf import duration_pb2
 
+from agent.envoy.pieces import duration
 from agent.scope.gamma import (
     GRPC_ROUTE,
     Backend,
@@ -68,12 +68,6 @@ _REDIRECT_CODES = {
 _WELL_KNOWN = {"http": 80, "https": 443}
 # :authority without a port (a bracketed IPv6 literal or a name), optionally with ":80".
 _NO_PORT = r"(\[[^\]]*\]|[^:\[\]]*)"
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(round(seconds * 1e9)))
-    return d
 
 
 def _regex(pattern: str) -> regex_pb2.RegexMatcher:
@@ -266,7 +260,7 @@ def _route_action(rule: Rule, cluster_name: ClusterNameFn) -> rc.RouteAction:
                 if b.host_rewrite:
                     cw.host_rewrite_literal = b.host_rewrite
     # Unset request timeout: disabled, not Envoy's 15 s default (mesh streams, gRPC).
-    action.timeout.CopyFrom(_duration(rule.request_timeout_s or 0.0))
+    action.timeout.CopyFrom(duration(rule.request_timeout_s or 0.0))
     retry = rule.retry
     if retry is not None or rule.backend_timeout_s is not None:
         policy = action.retry_policy
@@ -279,11 +273,11 @@ def _route_action(rule: Rule, cluster_name: ClusterNameFn) -> rc.RouteAction:
             if retry.attempts is not None:
                 policy.num_retries.value = retry.attempts
             if retry.backoff_s:
-                policy.retry_back_off.base_interval.CopyFrom(_duration(retry.backoff_s))
+                policy.retry_back_off.base_interval.CopyFrom(duration(retry.backoff_s))
         else:
             policy.num_retries.value = 0
         if rule.backend_timeout_s:
-            policy.per_try_timeout.CopyFrom(_duration(rule.backend_timeout_s))
+            policy.per_try_timeout.CopyFrom(duration(rule.backend_timeout_s))
     for mirror in rule.mirrors:
         b = mirror.backend
         mp = action.request_mirror_policies.add(

@@ -47,28 +47,37 @@ from envoy.config.core.v3 import (
     address_pb2,
     base_pb2,
     config_source_pb2,
-    protocol_pb2,
-    substitution_format_string_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
-from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
-from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
-from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
-from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
-from google.protobuf import duration_pb2, struct_pb2
+from google.protobuf import struct_pb2
 
+from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
+from agent.envoy.pieces import (
+    NOT_SHARED,
+    STRING_STATE_FACTORY,
+    TRANSITIVE,
+    UPSTREAM_NETNS_STATE,
+    duration,
+    internal_upstream,
+    original_dst_filter,
+    raw_buffer,
+    set_filter_state,
+    state_value,
+    stdout_access_log,
+    tcp_proxy_filter,
+    transport_socket,
+)
 from agent.identity.svid import Svid
 
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
@@ -88,7 +97,6 @@ INBOUND_LOCAL_PORT = 15009
 INBOUND_LOCAL_PREFIX = "inbound-local-"
 INBOUND_LOCAL_CLUSTERS = {"4": "inbound-local4", "6": "inbound-local6"}
 INBOUND_DELIVER_CLUSTER = "inbound-deliver"
-HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
 # backend SAN and server name (set in mtls-out for its upstream).
@@ -101,8 +109,6 @@ UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
 UPSTREAM_SAN_STATE = "envoy.network.upstream_subject_alt_names"
 ORIGINAL_DST_ADDRESS_STATE = "envoy.network.transport_socket.original_dst_address"
-UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
-STRING_FACTORY = "envoy.string"
 # Endpoint metadata namespaces: original_dst's (the pod address, read by the original_dst
 # listener filter of mtls-out) and ours (the backend SAN).
 ORIGINAL_DST_METADATA = "envoy.filters.listener.original_dst"
@@ -186,12 +192,6 @@ def _common_tls(identity: str, trust_domain: str) -> tls_pb2.CommonTlsContext:
     return ctx
 
 
-def _transport_socket(name: str, msg: object) -> base_pb2.TransportSocket:
-    ts = base_pb2.TransportSocket(name=name)
-    ts.typed_config.Pack(msg)
-    return ts
-
-
 # Envoy's default circuit breakers allow 1024 connections per cluster; a node's tunnels and
 # deliveries are every mesh connection of its pods, so the thresholds are the node's limits
 # (file descriptors), not Envoy's defaults.
@@ -204,52 +204,19 @@ def unlimited_circuit_breakers(cluster: cluster_pb2.Cluster) -> None:
         getattr(t, f).value = UNLIMITED
 
 
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(round(seconds * 1e9)))
-    return d
-
-
-def _state(key: str, fmt: str, factory: str = "", shared: str = "") -> value_pb2.FilterStateValue:
-    v = value_pb2.FilterStateValue(
-        object_key=key, factory_key=factory,
-        format_string=substitution_format_string_pb2.SubstitutionFormatString(
-            text_format_source={"inline_string": fmt}))
-    if shared == "once":
-        v.shared_with_upstream = value_pb2.FilterStateValue.ONCE
-    elif shared == "transitive":
-        v.shared_with_upstream = value_pb2.FilterStateValue.TRANSITIVE
-    return v
-
-
-def _network_state_filter(*values: value_pb2.FilterStateValue) -> listener_components_pb2.Filter:
-    f = listener_components_pb2.Filter(name="envoy.filters.network.set_filter_state")
-    f.typed_config.Pack(set_filter_state_pb2.Config(on_new_connection=list(values)))
-    return f
-
-
 def caller_state(identity: str) -> value_pb2.FilterStateValue:
     """Set by a pod's capture listener: which mtls cluster (client certificate) its mesh
     connections use. Transitive: it crosses mesh-<ns> and the Service cluster to mtls-out."""
-    return _state(CALLER_CLUSTER_STATE, mtls_cluster_name(identity), STRING_FACTORY,
-                  "transitive")
+    return state_value(CALLER_CLUSTER_STATE, mtls_cluster_name(identity), STRING_STATE_FACTORY,
+                       TRANSITIVE)
 
 
 # ---- outbound -------------------------------------------------------------------------------
 
-def _internal_upstream(*metadata: str) -> base_pb2.TransportSocket:
-    raw = _transport_socket("envoy.transport_sockets.raw_buffer", raw_buffer_pb2.RawBuffer())
-    iu = internal_upstream_pb2.InternalUpstreamTransport(transport_socket=raw)
-    for name in metadata:
-        src = iu.passthrough_metadata.add(name=name)
-        src.kind.host.SetInParent()
-    return _transport_socket("envoy.transport_sockets.internal_upstream", iu)
-
-
 def tunnel_transport_socket() -> base_pb2.TransportSocket:
     """A Service cluster's transport in mTLS mode: to ``mtls-out`` with the endpoint's pod
     address and SAN passed along as metadata."""
-    return _internal_upstream(ORIGINAL_DST_METADATA, AETHER_METADATA)
+    return internal_upstream(ORIGINAL_DST_METADATA, AETHER_METADATA)
 
 
 def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
@@ -274,23 +241,18 @@ def build_mtls_out_listener() -> listener_pb2.Listener:
     """Internal listener that opens the mesh hop: restores the pod address from the endpoint
     metadata, picks the caller's cluster, pins the backend SAN and names the destination
     port in SNI."""
-    from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
-    odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
-    odst.typed_config.Pack(original_dst_pb2.OriginalDst())
-    state = _network_state_filter(
-        _state(TCP_PROXY_CLUSTER_STATE, f"%FILTER_STATE({CALLER_CLUSTER_STATE}:PLAIN)%"),
-        _state(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%", shared="once"),
-        _state(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%", shared="once"),
+    state = set_filter_state(
+        state_value(TCP_PROXY_CLUSTER_STATE, f"%FILTER_STATE({CALLER_CLUSTER_STATE}:PLAIN)%",
+                    shared=NOT_SHARED),
+        state_value(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%"),
+        state_value(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%"),
     )
-    proxy = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    proxy.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=MTLS_OUT_LISTENER,
-                                                   cluster=NO_IDENTITY_CLUSTER))
     return listener_pb2.Listener(
         name=MTLS_OUT_LISTENER, stat_prefix=MTLS_OUT_LISTENER,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=[odst],
+        listener_filters=[original_dst_filter()],
         default_filter_chain=listener_components_pb2.FilterChain(
-            name="mtls", filters=[state, proxy]))
+            name="mtls", filters=[state, tcp_proxy_filter(MTLS_OUT_LISTENER, NO_IDENTITY_CLUSTER)]))
 
 
 def build_mtls_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfig,
@@ -303,12 +265,12 @@ def build_mtls_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfig
         name=mtls_cluster_name(identity),
         type=cluster_pb2.Cluster.ORIGINAL_DST,
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        connect_timeout=_duration(connect_timeout_s),
+        connect_timeout=duration(connect_timeout_s),
         upstream_bind_config=bind,
         connection_pool_per_downstream_connection=True,
     )
     c.original_dst_lb_config.upstream_port_override.value = tls.inbound_port
-    c.transport_socket.CopyFrom(_transport_socket(
+    c.transport_socket.CopyFrom(transport_socket(
         "envoy.transport_sockets.tls",
         tls_pb2.UpstreamTlsContext(common_tls_context=_common_tls(identity, tls.trust_domain))))
     unlimited_circuit_breakers(c)
@@ -325,12 +287,7 @@ INBOUND_LOG_FORMAT = (
 
 def inbound_access_log() -> accesslog_pb2.AccessLog:
     """One stdout line per mesh connection a pod accepted, naming the caller's SPIFFE ID."""
-    cfg = stream_pb2.StdoutAccessLog(
-        log_format=substitution_format_string_pb2.SubstitutionFormatString(
-            text_format_source={"inline_string": INBOUND_LOG_FORMAT}))
-    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
-    log.typed_config.Pack(cfg)
-    return log
+    return stdout_access_log(INBOUND_LOG_FORMAT)
 
 
 def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
@@ -375,12 +332,11 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         downstream = tls_pb2.DownstreamTlsContext(
             common_tls_context=_common_tls(identity, tls.trust_domain))
         downstream.require_client_certificate.value = True
-        state = _network_state_filter(
-            _state(UPSTREAM_NETNS_STATE, netns_path, STRING_FACTORY, "once"))
+        state = set_filter_state(
+            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
         # the peer's identity exists only once the handshake is done (filter state is set
         # when the connection is accepted): the upstream waits for it
         tcp = tcp_proxy_pb2.TcpProxy(
-            stat_prefix=inbound_listener_name(uid), cluster=local, access_log=logs,
             upstream_connect_mode=tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE)
         tcp.max_early_data_bytes.value = 0  # nothing is read before the handshake is done
         for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
@@ -388,17 +344,16 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
                               (PORT_TLV, "%REQUESTED_SERVER_NAME%")):
             tlv = tcp.proxy_protocol_tlvs.add(type=tlv_type)
             tlv.format_string.text_format_source.inline_string = fmt
-        proxy = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-        proxy.typed_config.Pack(tcp)
+        proxy = tcp_proxy_filter(inbound_listener_name(uid), local, *logs, config=tcp)
         return listener_components_pb2.FilterChain(
             name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
             filters=[state, proxy],
-            transport_socket=_transport_socket("envoy.transport_sockets.tls", downstream))
+            transport_socket=transport_socket("envoy.transport_sockets.tls", downstream))
 
     def deny(family: str) -> listener_components_pb2.FilterChain:
         return listener_components_pb2.FilterChain(
             name=f"own-ports-v{family}", filter_chain_match=match(family, server_names=sorted(forbidden)),
-            filters=[_closing_filter(inbound_listener_name(uid))])
+            filters=[tcp_proxy_filter(inbound_listener_name(uid), NO_IDENTITY_CLUSTER)])
 
     inspector = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.tls_inspector")
     from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
@@ -420,14 +375,6 @@ def _sock(ip: str, port: int, netns_path: str) -> address_pb2.Address:
         address=ip, port_value=port, network_namespace_filepath=netns_path))
 
 
-def _closing_filter(stat_prefix: str) -> listener_components_pb2.Filter:
-    """tcp_proxy to a cluster that does not exist: the connection is closed."""
-    f = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    f.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=stat_prefix,
-                                               cluster=NO_IDENTITY_CLUSTER))
-    return f
-
-
 def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
                                  ipv4: bool = True) -> listener_pb2.Listener:
     """``inbound-local-<uid>``, on the pod's loopback: reads the PROXY v2 header the inbound
@@ -438,7 +385,8 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     could not reach directly."""
     from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
     name = inbound_local_listener_name(uid)
-    target = host_port(ips[0], 0)[:-2]  # "ip" or "[ip]" (the first address: v4 when dual)
+    ip = ips[0]  # the first address: v4 when dual-stack
+    target = f"[{ip}]" if ":" in ip else ip
     pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
     for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local"), (PORT_TLV, "port")):
         rule = pp.rules.add(tlv_type=tlv_type)
@@ -450,10 +398,10 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
 
     def state() -> listener_components_pb2.Filter:
-        return _network_state_filter(
-            _state(ORIGINAL_DST_ADDRESS_STATE,
-                   f"{target}:%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%", shared="once"),
-            _state(UPSTREAM_NETNS_STATE, netns_path, STRING_FACTORY, "once"))
+        return set_filter_state(
+            state_value(ORIGINAL_DST_ADDRESS_STATE,
+                        f"{target}:%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%"),
+            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
 
     xfcc = base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(
@@ -463,7 +411,7 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
                      request_headers_to_add=[xfcc])
     route.route.cluster = INBOUND_DELIVER_CLUSTER
-    route.route.timeout.CopyFrom(_duration(0))
+    route.route.timeout.CopyFrom(duration(0))
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix=name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -479,14 +427,12 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
         name="http", filters=[state(), hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(
             application_protocols=["http/1.1", "h2c"]))
-    tcp = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    tcp.typed_config.Pack(tcp_proxy_pb2.TcpProxy(stat_prefix=name,
-                                                 cluster=INBOUND_DELIVER_CLUSTER))
+    tcp = tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER)
     return listener_pb2.Listener(
         name=name, stat_prefix=name,
         address=_sock("127.0.0.1" if ipv4 else "::1", INBOUND_LOCAL_PORT, netns_path),
         listener_filters=[ppf, inspector],
-        listener_filters_timeout=_duration(DETECT_TIMEOUT_S),
+        listener_filters_timeout=duration(DETECT_TIMEOUT_S),
         continue_on_listener_filters_timeout=True,
         filter_chains=[http_chain],
         default_filter_chain=listener_components_pb2.FilterChain(
@@ -499,18 +445,17 @@ def build_inbound_local_cluster(family: str, bind: address_pb2.BindConfig,
     named by filter state), with a PROXY v2 header carrying the TLVs the inbound listener set."""
     from envoy.config.core.v3 import proxy_protocol_pb2
     from envoy.extensions.transport_sockets.proxy_protocol.v3 import upstream_proxy_protocol_pb2
-    raw = _transport_socket("envoy.transport_sockets.raw_buffer", raw_buffer_pb2.RawBuffer())
-    pp = _transport_socket("envoy.transport_sockets.upstream_proxy_protocol",
+    pp = transport_socket("envoy.transport_sockets.upstream_proxy_protocol",
                            upstream_proxy_protocol_pb2.ProxyProtocolUpstreamTransport(
                                config=proxy_protocol_pb2.ProxyProtocolConfig(
                                    version=proxy_protocol_pb2.ProxyProtocolConfig.V2,
                                    pass_through_tlvs=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs(
                                        match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
                                        tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV])),
-                               transport_socket=raw))
+                               transport_socket=raw_buffer()))
     name = INBOUND_LOCAL_CLUSTERS[family]
     c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.STATIC,
-                            connect_timeout=_duration(connect_timeout_s), transport_socket=pp,
+                            connect_timeout=duration(connect_timeout_s), transport_socket=pp,
                             upstream_bind_config=bind,
                             connection_pool_per_downstream_connection=True)
     c.load_assignment.cluster_name = name
@@ -528,15 +473,12 @@ def build_inbound_deliver_cluster(bind: address_pb2.BindConfig, connect_timeout_
     c = cluster_pb2.Cluster(
         name=INBOUND_DELIVER_CLUSTER, type=cluster_pb2.Cluster.ORIGINAL_DST,
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        connect_timeout=_duration(connect_timeout_s), upstream_bind_config=bind,
+        connect_timeout=duration(connect_timeout_s), upstream_bind_config=bind,
         connection_pool_per_downstream_connection=True)
-    opts = http_protocol_options_pb2.HttpProtocolOptions()
-    cfg = opts.use_downstream_protocol_config
-    cfg.http_protocol_options.CopyFrom(protocol_pb2.Http1ProtocolOptions())
-    cfg.http2_protocol_options.CopyFrom(protocol_pb2.Http2ProtocolOptions())
+    opts = upstream_http_protocol_options(None)  # the caller's HTTP version
     # HTTP deliveries: the pool lives as long as its downstream (one connection); do not keep the
     # connection to the application open past it
-    opts.common_http_protocol_options.idle_timeout.CopyFrom(_duration(5.0))
+    opts.common_http_protocol_options.idle_timeout.CopyFrom(duration(5.0))
     c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
     unlimited_circuit_breakers(c)
     return c

@@ -42,39 +42,42 @@ import hashlib
 import ipaddress
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import (
     address_pb2,
-    base_pb2,
     config_source_pb2,
     grpc_service_pb2,
     health_check_pb2,
     socket_option_pb2,
-    substitution_format_string_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
-from envoy.extensions.access_loggers.stream.v3 import stream_pb2
-from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
-from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
-from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
-from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
-from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
-from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
-from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, struct_pb2
 from google.protobuf.message import Message
 
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.mtls import MeshTls
+from agent.envoy.pieces import (
+    STRING_STATE_FACTORY,
+    TRANSITIVE,
+    UPSTREAM_NETNS_STATE,
+    duration,
+    internal_upstream,
+    original_dst_filter,
+    set_filter_state,
+    state_value,
+    stdout_access_log,
+    tcp_proxy_filter,
+)
+from agent.identity.svid import identity_key
 from agent.scope.model import Endpoint, ServiceView
 from agent.scope.services import ServicePort
 
@@ -100,11 +103,10 @@ METADATA_NAMESPACE = "aether"
 ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
 ORIGINAL_DST_REMOTE_STATE = "envoy.filters.listener.original_dst.remote_ip"
 CAPTURE_LISTENER_STATE = "aether.capture_listener"
-STRING_STATE_FACTORY = "envoy.string"
 CAPTURE_LISTENER_FORMAT = f"%FILTER_STATE({CAPTURE_LISTENER_STATE}:PLAIN)%"
-# The pod's netns path, shared with every upstream hop (TRANSITIVE: it crosses the internal
-# listener): the clusters' local address selector opens the upstream socket in that netns.
-UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
+# The clusters' local address selector opens the upstream socket in the netns named by
+# UPSTREAM_NETNS_STATE, which the pod listener shares TRANSITIVE (it crosses the internal
+# listener).
 NETNS_ADDRESS_SELECTOR = "envoy.upstream.local_address_selector.filter_state_override"
 NETNS_ADDRESS_SELECTOR_TYPE = ("type.googleapis.com/envoy.extensions.local_address_selectors."
                                "filter_state_override.v3.Config")
@@ -160,7 +162,7 @@ class PodListener:
 
     @property
     def identity(self) -> str:
-        return f"{self.namespace or DEFAULT_NAMESPACE}/{self.service_account or 'default'}"
+        return identity_key(self.namespace or DEFAULT_NAMESPACE, self.service_account)
 
     @property
     def listener_name(self) -> str:
@@ -195,8 +197,8 @@ class NodeXdsState:
     # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
     # same object while routes are unchanged, so unchanged chains are reused.
     gamma: Any = None
-    # Mesh identity (agent.envoy.mtls.MeshTls): Service traffic becomes mTLS over CONNECT to
-    # the endpoint pod's inbound port, every captured pod gets its inbound listener. None:
+    # Mesh identity (agent.envoy.mtls.MeshTls): Service traffic becomes mTLS to the endpoint
+    # pod's inbound port, every captured pod gets its inbound listeners. None:
     # no identity provider, Service traffic goes to the endpoints in plaintext.
     mesh_tls: MeshTls | None = None
 
@@ -214,12 +216,6 @@ def parse_service_cluster_name(cluster: str) -> tuple[str, str, int] | None:
     return parts[1], parts[2], int(parts[3])
 
 
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(round(seconds * 1e9)))
-    return d
-
-
 def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
     return address_pb2.Address(
         socket_address=address_pb2.SocketAddress(
@@ -229,14 +225,7 @@ def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
 
 
 def _access_log() -> accesslog_pb2.AccessLog:
-    cfg = stream_pb2.StdoutAccessLog(
-        log_format=substitution_format_string_pb2.SubstitutionFormatString(
-            text_format_source={"inline_string": ACCESS_LOG_FORMAT}
-        )
-    )
-    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
-    log.typed_config.Pack(cfg)
-    return log
+    return stdout_access_log(ACCESS_LOG_FORMAT)
 
 
 _HTTP_FAILURE_LOG: accesslog_pb2.AccessLog | None = None
@@ -247,13 +236,7 @@ def http_failure_access_log() -> accesslog_pb2.AccessLog:
     or any response flag); built once, shared by every HTTP chain."""
     global _HTTP_FAILURE_LOG
     if _HTTP_FAILURE_LOG is None:
-        cfg = stream_pb2.StdoutAccessLog(
-            log_format=substitution_format_string_pb2.SubstitutionFormatString(
-                text_format_source={"inline_string": HTTP_FAILURE_LOG_FORMAT}
-            )
-        )
-        log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
-        log.typed_config.Pack(cfg)
+        log = stdout_access_log(HTTP_FAILURE_LOG_FORMAT)
         five_xx = accesslog_pb2.StatusCodeFilter(comparison=accesslog_pb2.ComparisonFilter(
             op=accesslog_pb2.ComparisonFilter.GE))
         five_xx.comparison.value.default_value = 500
@@ -288,14 +271,6 @@ def _grpc_access_log() -> accesslog_pb2.AccessLog:
     return log
 
 
-def _tcp_proxy_filter(stat_prefix: str, cluster: str, *logs: accesslog_pb2.AccessLog
-                      ) -> listener_components_pb2.Filter:
-    tcp = tcp_proxy_pb2.TcpProxy(stat_prefix=stat_prefix, cluster=cluster, access_log=logs)
-    net_filter = listener_components_pb2.Filter(name="envoy.filters.network.tcp_proxy")
-    net_filter.typed_config.Pack(tcp)
-    return net_filter
-
-
 def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
                       ) -> listener_components_pb2.FilterChain:
     """The default chain: anything not a Service ClusterIP goes to its original destination.
@@ -310,7 +285,7 @@ def _passthrough_proxy(learn: bool, connection_log: bool) -> listener_components
     """tcp_proxy to the ORIGINAL_DST cluster with the stdout line and/or the ALS stream."""
     logs = (([_access_log()] if connection_log else [])
             + ([_grpc_access_log()] if learn else []))
-    return _tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)
+    return tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)
 
 
 def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
@@ -361,7 +336,7 @@ def service_chain(view: ServiceView, port: ServicePort) -> listener_components_p
         filter_chain_match=match,
         # no per-chain access log: at 10k Services it was most of each chain's bytes; the
         # passthrough chain keeps its log (learning) and cluster stats cover Service traffic
-        filters=[_tcp_proxy_filter(cluster, cluster)],
+        filters=[tcp_proxy_filter(cluster, cluster)],
     )
 
 
@@ -437,7 +412,7 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     cluster = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
-        connect_timeout=_duration(connect_timeout_s),
+        connect_timeout=duration(connect_timeout_s),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
             service_name=name,
@@ -503,42 +478,22 @@ def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
     return cla
 
 
-def _original_dst_filter() -> listener_components_pb2.ListenerFilter:
-    odst = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.original_dst")
-    odst.typed_config.Pack(original_dst_pb2.OriginalDst())
-    return odst
-
-
-def _state_value(key: str, fmt: str, factory: str = "", transitive: bool = False
-                 ) -> value_pb2.FilterStateValue:
-    return value_pb2.FilterStateValue(
-        object_key=key,
-        factory_key=factory,
-        format_string=substitution_format_string_pb2.SubstitutionFormatString(
-            text_format_source={"inline_string": fmt}),
-        shared_with_upstream=(value_pb2.FilterStateValue.TRANSITIVE if transitive
-                              else value_pb2.FilterStateValue.ONCE),
-    )
-
-
 def _capture_chain(pod: PodListener, mesh_identity: bool = False
                    ) -> listener_components_pb2.FilterChain:
     """Hand the connection, its original destination/source and the pod listener name to
     the pod namespace's internal listener (filter state shared with the upstream once), and
     the pod's netns path to every hop after it (transitive), so the final upstream socket is
     opened inside the pod's netns (see ``upstream_bind_config``)."""
-    sfs = set_filter_state_pb2.Config(on_new_connection=[
-        _state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
-        _state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
-        _state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
-        _state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, transitive=True),
+    state_filter = set_filter_state(
+        state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
+        state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
+        state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
+        state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, TRANSITIVE),
         *([mtls.caller_state(pod.identity)] if mesh_identity else []),
-    ])
-    state_filter = listener_components_pb2.Filter(name="envoy.filters.network.set_filter_state")
-    state_filter.typed_config.Pack(sfs)
+    )
     return listener_components_pb2.FilterChain(
         name="capture",
-        filters=[state_filter, _tcp_proxy_filter("capture", pod.mesh_listener_name)],
+        filters=[state_filter, tcp_proxy_filter("capture", pod.mesh_listener_name)],
     )
 
 
@@ -555,7 +510,7 @@ def build_listener(pod: PodListener, capture_port: int, mesh_identity: bool = Fa
         name=pod.listener_name,
         stat_prefix=pod.listener_name,
         address=addrs[0],
-        listener_filters=[_original_dst_filter()],
+        listener_filters=[original_dst_filter()],
         default_filter_chain=_capture_chain(pod, mesh_identity),
     )
     for a in addrs[1:]:
@@ -631,7 +586,7 @@ def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int
                     connection_log: bool = False) -> bytes:
     """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
     name = namespace_listener_name(namespace)
-    filters = [_original_dst_filter()]
+    filters = [original_dst_filter()]
     if detect:
         from agent.envoy.http_routes import http_inspector_listener_filter
 
@@ -665,19 +620,15 @@ def build_namespace_cluster(namespace: str, connect_timeout_s: float) -> cluster
     """STATIC cluster ``mesh-<ns>`` whose only host is the internal listener ``mesh-<ns>``;
     ``internal_upstream`` passes the pod listener's shared filter state along."""
     name = namespace_listener_name(namespace)
-    raw = base_pb2.TransportSocket(name="envoy.transport_sockets.raw_buffer")
-    raw.typed_config.Pack(raw_buffer_pb2.RawBuffer())
-    ts = base_pb2.TransportSocket(name="envoy.transport_sockets.internal_upstream")
-    ts.typed_config.Pack(internal_upstream_pb2.InternalUpstreamTransport(transport_socket=raw))
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
     cla.endpoints.add().lb_endpoints.add().endpoint.address.envoy_internal_address \
         .server_listener_name = name
     return cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
-        connect_timeout=_duration(connect_timeout_s),
+        connect_timeout=duration(connect_timeout_s),
         load_assignment=cla,
-        transport_socket=ts,
+        transport_socket=internal_upstream(),
     )
 
 
@@ -743,7 +694,7 @@ def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb
         name=PASSTHROUGH_CLUSTER,
         type=cluster_pb2.Cluster.ORIGINAL_DST,
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        connect_timeout=_duration(connect_timeout_s),
+        connect_timeout=duration(connect_timeout_s),
         upstream_bind_config=upstream_bind_config(mark),
         connection_pool_per_downstream_connection=True,
     )
@@ -1014,7 +965,7 @@ class ResourceBuilder:
         listeners.update(ns_listeners)
         if tls is not None:
             listeners[mtls.MTLS_OUT_LISTENER] = self._fixed(
-                "mtls-out", lambda: mtls.build_mtls_out_listener())
+                "mtls-out", mtls.build_mtls_out_listener)
 
         pt_key = (state.passthrough_mark, state.connect_timeout_s)
         if self._passthrough is None or self._passthrough[0] != pt_key:
@@ -1029,21 +980,23 @@ class ResourceBuilder:
         self._ns_clusters = {k: c for k, c in self._ns_clusters.items() if c.name in ns_clusters
                              and k[1] == state.connect_timeout_s}
         if tls is not None:
-            t = state.connect_timeout_s
-            bind_key = (state.passthrough_mark, t)
+            mark, t = state.passthrough_mark, state.connect_timeout_s
+            bind_key = (mark, t)
+
+            def bound(build: Callable[..., cluster_pb2.Cluster], *args: Any
+                      ) -> Callable[[], cluster_pb2.Cluster]:
+                """``build`` with the mesh clusters' bind config, made on a cache miss only."""
+                return lambda: build(*args, bind=upstream_bind_config(mark), connect_timeout_s=t)
+
             for identity in sorted({p.identity for p in pods if p.identity in held}):
                 ns_clusters[mtls.mtls_cluster_name(identity)] = self._fixed(
                     ("mtls", identity, tls.trust_domain, tls.inbound_port, bind_key),
-                    partial(mtls.build_mtls_cluster, identity, tls,
-                            upstream_bind_config(state.passthrough_mark), t))
+                    bound(mtls.build_mtls_cluster, identity, tls))
             for fam, name in mtls.INBOUND_LOCAL_CLUSTERS.items():
                 ns_clusters[name] = self._fixed(
-                    ("inbound-local", fam, bind_key), partial(
-                        mtls.build_inbound_local_cluster, fam,
-                        upstream_bind_config(state.passthrough_mark), t))
+                    ("inbound-local", fam, bind_key), bound(mtls.build_inbound_local_cluster, fam))
             ns_clusters[mtls.INBOUND_DELIVER_CLUSTER] = self._fixed(
-                ("inbound-deliver", bind_key), lambda: mtls.build_inbound_deliver_cluster(
-                    upstream_bind_config(state.passthrough_mark), t))
+                ("inbound-deliver", bind_key), bound(mtls.build_inbound_deliver_cluster))
             secrets = self._secrets_for(tls)
         else:
             secrets = {}
@@ -1063,7 +1016,7 @@ class ResourceBuilder:
             LISTENER_TYPE: dict(sorted(listeners.items())),
         }
 
-    def _fixed(self, key: Any, make: Any) -> Any:
+    def _fixed(self, key: Any, make: Callable[[], Any]) -> Any:
         """A resource that depends only on ``key``: built once, the same object while used."""
         self._fixed_used.add(key)
         got = self._fixed_cache.get(key)

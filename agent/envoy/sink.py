@@ -54,8 +54,12 @@ def pod_listener(pod: CapturedPod) -> PodListener:
     """The pod's listener on the loopback families its netns really has (a pod with IPv6
     disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind)."""
     v4, v6 = loopback_families(pod.netns)
+    return _listener_of(pod, v4, v6)
+
+
+def _listener_of(pod: CapturedPod, ipv4: bool = True, ipv6: bool = True) -> PodListener:
     return PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
-                       ipv4=v4, ipv6=v6, service_account=pod.service_account or "default",
+                       ipv4=ipv4, ipv6=ipv6, service_account=pod.service_account or "default",
                        ips=tuple(ip.split("/")[0] for ip in pod.ips))
 
 
@@ -125,10 +129,7 @@ class EnvoySink:
                     # reconcile re-pins or drops it next; until then serve what was recorded
                     log.warning("cannot read the loopback of recorded pod %s (%s): serving "
                                 "both families until reconcile settles it", pod.key, e)
-                    self._pods[pod.container_id] = PodListener(
-                        uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
-                        service_account=pod.service_account or "default",
-                        ips=tuple(ip.split("/")[0] for ip in pod.ips))
+                    self._pods[pod.container_id] = _listener_of(pod)
                 if self.identity is not None:
                     self.identity.attach(self._pods[pod.container_id].identity, pod.key)
 

@@ -4,6 +4,9 @@ from these (kubelet's health probes leave the node from one of them)."""
 from __future__ import annotations
 
 import ipaddress
+import logging
+import threading
+import time
 
 
 def usable(addresses: list[str]) -> tuple[str, ...]:
@@ -31,29 +34,26 @@ def node_addresses() -> tuple[str, ...]:
 
 class _Cache:
     def __init__(self) -> None:
-        import threading
         self.lock = threading.Lock()
         self.at = -1e9
         self.value: tuple[str, ...] = ()
 
 
 _cache = _Cache()
+log = logging.getLogger("aether.agent")
 
 
 def current(max_age: float = 1.0) -> tuple[str, ...]:
     """``node_addresses()`` at most ``max_age`` seconds old. Read when a STRICT policy is
     decided, not once at start: a bridge CNI gives the node its gateway address only with
     the first pod, and node addresses change (DHCP, new interfaces)."""
-    import logging
-    import time
-
     with _cache.lock:
         now = time.monotonic()
         if now - _cache.at > max_age:
             try:
                 _cache.value = node_addresses()
             except Exception as e:  # noqa: BLE001 - reported; STRICT then refuses probes too
-                logging.getLogger("aether.agent").error(
+                log.error(
                     "cannot read the node's addresses (%s): STRICT pods refuse kubelet probes", e)
             _cache.at = now
         return _cache.value

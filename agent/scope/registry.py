@@ -21,12 +21,9 @@ from typing import Any
 
 from agent.capture.policy import decide
 from agent.config import NodeConfig
+from agent.identity.svid import spiffe_id
 from agent.scope.services import canonical_ip
 from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object, shared
-
-
-def spiffe_id(trust_domain: str, namespace: str, service_account: str) -> str:
-    return f"spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
 
 
 @dataclass(frozen=True, slots=True)
