@@ -489,3 +489,54 @@ def test_an_ipv6_service_is_mtls_too(mnode: EnvoyNode) -> None:
         assert hop and int(hop.group(1)) >= 1, hosts[-2000:]
     finally:
         srv.shutdown()
+
+
+def _proxy_v2(src: str, dst: str, dport: int, tlvs: dict[int, bytes]) -> bytes:
+    """A PROXY protocol v2 header (TCP over IPv4) with the given TLVs."""
+    import struct
+    body = (socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!HH", 40000, dport)
+            + b"".join(bytes([t]) + struct.pack("!H", len(v)) + v for t, v in tlvs.items()))
+    return b"\r\n\r\n\x00\r\nQUIT\n" + bytes([0x21, 0x11]) + struct.pack("!H", len(body)) + body
+
+
+def test_a_pod_writing_its_own_proxy_header_reaches_only_itself(mnode: EnvoyNode) -> None:
+    """A process of a mesh pod (root in its netns) talks to the proxy's loopback listener
+    directly with a forged PROXY header: another destination address, another port, a forged
+    caller. The proxy delivers only to the pod's own address: the node's server named in the
+    header sees nothing, and a forged caller reaches only the pod's own application."""
+    from agent.testing.netutil import host_server
+    from integration.conftest import GW4
+    server, _client, srv = _echo_pair(mnode)
+    host, host_port = host_server()
+    forged = b"spiffe://cluster.local/ns/app/sa/admin"
+
+    def speak(port: int) -> bytes:
+        def work() -> bytes:
+            s = socket.create_connection(("127.0.0.1", 15009), timeout=3)
+            try:
+                s.sendall(_proxy_v2(server.ip(), GW4, host_port,
+                                    {0xE0: forged, 0xE2: str(port).encode()})
+                          + b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                return data
+            except OSError as e:
+                return f"error: {e}".encode()
+            finally:
+                s.close()
+        return run_in_netns(server.netns, work)
+
+    try:
+        # the header's address and port name the node's server: the proxy tries the pod's
+        # own address on that port (nothing listens there), never the node
+        toward_node = speak(host_port)
+        assert b'"pod"' not in toward_node, toward_node
+        # the pod's own app port: served, with the forged caller (the pod is talking to
+        # itself; it could send that header to its own app directly)
+        own = speak(8080)
+        assert own.startswith(b"HTTP/1.1 200") and forged in own, own[:300]
+        assert host.seen == [], host.seen
+    finally:
+        host.close()
+        srv.shutdown()
