@@ -128,11 +128,13 @@ class Agent:
             from agent.enroll import EnrollmentLoop
             self.enrollment = EnrollmentLoop(self.handler, self.mesh.objects, self.node)
             self.enrollment.start()
-        self.status_server.start()
         if self.options.kube and self.options.node_loops:
             self._start_node_loops()
         if self.options.metrics_port:
             self._start_metrics()
+        # last: a status socket that answers means every endpoint of the agent is up (tests and
+        # operators read /healthz right after it; it used to race the metrics server)
+        self.status_server.start()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
 
