@@ -157,22 +157,23 @@ def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+MTLS_MODE_LABELS = {"http": "appProtocol http (XFCC)", "tcp": "appProtocol tcp",
+                    "detect": "no appProtocol (detected, XFCC)"}
+
+
 def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
-    for shape, label in (("keepalive", "mTLS hop, keep-alive -c32, requests/s"),
-                         ("newconn", "mTLS hop, new connection per request, requests/s")):
-        s = d["shapes"].get(shape)
-        if not s:
-            continue
-        lo, hi = (s["spread"] + [0.0, 0.0])[:2]
-        verdict = "-"
-        if "target" in s:
-            verdict = ("PASS" if s["target_met"] else "MISS") + f" (≥ {s['target']:g}×)"
-        elif shape == "newconn":
-            verdict = "- (a TLS handshake each)"
-        out.append(("mesh_mtls", label, f"{s['mesh_rps_median']:.0f}",
-                    f"direct {s['direct_rps_median']:.0f}",
-                    f"{s['rps_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
+    for shape, label in (("keepalive", "keep-alive -c32, req/s"),
+                         ("newconn", "new connection per request, req/s")):
+        modes = d["shapes"].get(shape, {}).get("modes", {})
+        for mode, s in modes.items():
+            lo, hi = (s["spread"] + [0.0, 0.0])[:2]
+            verdict = "- (a TLS handshake each)" if shape == "newconn" else "-"
+            if "target" in s:
+                verdict = ("PASS" if s["target_met"] else "MISS") + f" (≥ {s['target']:g}×)"
+            out.append(("mesh_mtls", f"mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}, {label}",
+                        f"{s['mesh_rps_median']:.0f}", f"direct {s['direct_rps_median']:.0f}",
+                        f"{s['rps_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
     return out
 
 

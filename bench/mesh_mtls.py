@@ -4,16 +4,21 @@ One `aether-agent run --identity-ca-dir` with its Envoy; a server pod (a capture
 ServiceAccount `server`, behind a Service) runs a static 1 KiB `direct_response` Envoy inside
 its netns; `wrk` runs in two client pods:
 
-* **mesh**: a captured pod (SA `client`) calling the Service's ClusterIP: capture → the node
-  Envoy → mTLS (HTTP/2 CONNECT, the client's SVID, the server's SAN pinned) to the server pod's
-  inbound :15008 → delivered inside the server's netns;
+* **mesh**: a captured pod (SA `client`) calling a Service's ClusterIP: capture → the node
+  Envoy → mTLS (the client's SVID, the server's SAN pinned, the port in SNI) to the server
+  pod's inbound :15008 → delivered inside the server's netns. Three Services on the same
+  backend, one per hop shape the Service port's `appProtocol` selects:
+  `http` (the HTTP codec on the TLS connection adds `x-forwarded-client-cert`), `tcp` (any
+  non-HTTP value: relayed as is) and none (the inbound side detects HTTP over the pod's
+  loopback, then adds XFCC);
 * **direct** (the baseline): a pod outside the mesh calling the server pod's address in
   plaintext (the server is PERMISSIVE): the kernel's path with no proxy at all.
 
-Two shapes, each over ABBA rounds with ratios taken within a pair and the median over pairs
-reported with its spread: keep-alive at `-c32` (target ≥ 0.5× direct requests/s) and a new
-connection per request (each is a new TLS handshake on the mesh side: new TLS connections per
-second, no target). Root only; needs `wrk`. Everything is torn down on exit.
+Two shapes, each over rounds that run direct and the three mesh modes in alternating order
+(ABCD, DCBA), ratios taken within a round and the median over rounds reported with its
+spread: keep-alive at `-c32` (target ≥ 0.5× direct requests/s) and a new connection per
+request (each is a new TLS handshake on the mesh side: new TLS connections per second, no
+target). Root only; needs `wrk`. Everything is torn down on exit.
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ from bench.common import AgentProc, Kubelet, Pod, dumps, machine_info, progress
 from bench.envoy_common import ServerEnvoy, WrkResult, run_wrk
 
 NS = "bench"
-SVC_IP = "10.96.214.10"
+# mode -> (Service name, ClusterIP, appProtocol)
+MESH_MODES: dict[str, tuple[str, str, str | None]] = {
+    "http": ("srv-http", "10.96.214.11", "http"),
+    "tcp": ("srv-tcp", "10.96.214.12", "tcp"),
+    "detect": ("srv", "10.96.214.10", None),
+}
 SERVER_PORT = 8080
 TARGET_RPS_RATIO = 0.5
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
@@ -52,10 +62,13 @@ def manifests(client: Pod, server: Pod, outsider: Pod) -> list[dict[str, Any]]:
         {"apiVersion": "v1", "kind": "Namespace",
          "metadata": {"name": NS, "labels": {"aether.io/managed": "true"}}},
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "outside"}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "srv", "namespace": NS},
-         "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "srv"},
-                  "ports": [{"name": "tcp", "port": 80, "targetPort": SERVER_PORT}]}},
-        pod(client, "client", {}, {"aether.io/dependencies": "srv"}),
+        *[{"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": NS},
+           "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": "srv"},
+                    "ports": [{"name": "web", "port": 80, "targetPort": SERVER_PORT,
+                               **({"appProtocol": app} if app else {})}]}}
+          for name, ip, app in MESH_MODES.values()],
+        pod(client, "client", {}, {"aether.io/dependencies": ",".join(
+            name for name, _, _ in MESH_MODES.values())}),
         pod(server, "server", {"app": "srv"}, {}),
         pod(outsider, "default", {}, {}),
     ]
@@ -100,47 +113,55 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
         srv.start()
         direct_url = f"http://{server.ip()}:{SERVER_PORT}/"
-        mesh_url = f"http://{SVC_IP}:80/"
-        _wait(lambda: run_wrk(client.netns_name, mesh_url, 1, 1, 1).non_2xx == 0
-              and run_wrk(client.netns_name, mesh_url, 1, 1, 1).requests > 0, 60,
-              "the Service never answered through the mTLS hop")
+        urls = {m: f"http://{ip}:80/" for m, (_, ip, _) in MESH_MODES.items()}
+        for m, url in urls.items():
+            _wait(lambda url=url: run_wrk(client.netns_name, url, 1, 1, 1).non_2xx == 0
+                  and run_wrk(client.netns_name, url, 1, 1, 1).requests > 0, 60,
+                  f"the Service never answered through the mTLS hop ({m})")
         for p in (client, outsider):  # as in envoy_path: TIME_WAIT must not exhaust ports
             subprocess.run(["ip", "netns", "exec", p.netns_name, "sysctl", "-qw",
                             "net.ipv4.tcp_tw_reuse=1"], check=True)
         out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "shapes": {}}
+        modes = ["direct", *MESH_MODES]
         for shape in ("keepalive", "newconn"):
             runs: list[dict[str, Any]] = []
-            order: list[str] = []
             for r in range(rounds):
-                order += ["direct", "mesh"] if r % 2 == 0 else ["mesh", "direct"]
-            for i, mode in enumerate(order, 1):
-                progress(f"[mtls] wrk {shape} {mode} ({i}/{len(order)}, {duration:g} s) …")
-                pod, url = (outsider, direct_url) if mode == "direct" else (client, mesh_url)
-                w: WrkResult = run_wrk(pod.netns_name, url, duration, WRK_THREADS,
-                                       WRK_CONNECTIONS, new_connection=shape == "newconn")
-                runs.append({"mode": mode, **w.to_json()})
-            direct = [r for r in runs if r["mode"] == "direct"]
-            mesh = [r for r in runs if r["mode"] == "mesh"]
-            ratios = sorted(m["rps"] / d["rps"] for d, m in zip(direct, mesh, strict=True)
-                            if d["rps"] > 0)
-            errors = sum(r["socket_errors"] + r["non_2xx"] for r in mesh)
-            out["shapes"][shape] = {
-                "runs": runs, "rps_ratios": [round(x, 3) for x in ratios],
-                "rps_ratio_median": round(statistics.median(ratios), 3) if ratios else 0.0,
-                "spread": _spread(ratios),
-                "mesh_rps_median": statistics.median([m["rps"] for m in mesh]),
-                "direct_rps_median": statistics.median([d["rps"] for d in direct]),
-                "mesh_p50_ms_median": statistics.median([m["p50_ms"] for m in mesh]),
-                "direct_p50_ms_median": statistics.median([d["p50_ms"] for d in direct]),
-                "mesh_errors": errors,
-            }
-            s = out["shapes"][shape]
-            print(f"{shape}: mesh {s['mesh_rps_median']:.0f} req/s vs direct "
-                  f"{s['direct_rps_median']:.0f}: {s['rps_ratio_median']:.2f}× "
-                  f"(spread {s['spread']}), mesh errors {errors}", flush=True)
-        ka = out["shapes"]["keepalive"]
-        ka["target"] = TARGET_RPS_RATIO
-        ka["target_met"] = ka["rps_ratio_median"] >= TARGET_RPS_RATIO and ka["mesh_errors"] == 0
+                order = modes if r % 2 == 0 else modes[::-1]
+                for i, mode in enumerate(order, 1):
+                    progress(f"[mtls] wrk {shape} round {r + 1}/{rounds}: {mode} "
+                             f"({i}/{len(order)}, {duration:g} s) …")
+                    pod, url = (outsider, direct_url) if mode == "direct" else (client, urls[mode])
+                    w: WrkResult = run_wrk(pod.netns_name, url, duration, WRK_THREADS,
+                                           WRK_CONNECTIONS, new_connection=shape == "newconn")
+                    runs.append({"round": r, "mode": mode, **w.to_json()})
+            direct = {x["round"]: x for x in runs if x["mode"] == "direct"}
+            per_mode: dict[str, Any] = {}
+            for mode in MESH_MODES:
+                mesh = [x for x in runs if x["mode"] == mode]
+                ratios = sorted(m["rps"] / direct[m["round"]]["rps"] for m in mesh
+                                if direct[m["round"]]["rps"] > 0)
+                errors = sum(x["socket_errors"] + x["non_2xx"] for x in mesh)
+                row = {
+                    "app_protocol": MESH_MODES[mode][2],
+                    "rps_ratios": [round(x, 3) for x in ratios],
+                    "rps_ratio_median": round(statistics.median(ratios), 3) if ratios else 0.0,
+                    "spread": _spread(ratios),
+                    "mesh_rps_median": statistics.median([m["rps"] for m in mesh]),
+                    "direct_rps_median": statistics.median([d["rps"] for d in direct.values()]),
+                    "mesh_p50_ms_median": statistics.median([m["p50_ms"] for m in mesh]),
+                    "direct_p50_ms_median": statistics.median(
+                        [d["p50_ms"] for d in direct.values()]),
+                    "mesh_errors": errors,
+                }
+                if shape == "keepalive":
+                    row["target"] = TARGET_RPS_RATIO
+                    row["target_met"] = (row["rps_ratio_median"] >= TARGET_RPS_RATIO
+                                         and errors == 0)
+                per_mode[mode] = row
+                print(f"{shape} {mode}: mesh {row['mesh_rps_median']:.0f} req/s vs direct "
+                      f"{row['direct_rps_median']:.0f}: {row['rps_ratio_median']:.2f}× "
+                      f"(spread {row['spread']}), mesh errors {errors}", flush=True)
+            out["shapes"][shape] = {"runs": runs, "modes": per_mode}
         st = agent.status()
         out["svids"] = [r["identity"] for r in st["envoy"]["identity"]["svids"]]
         return out

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from agent.envoy import mtls
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
@@ -45,11 +46,15 @@ def mnode(workdir: str, bridge_name: str, svid_ttl: float) -> Iterator[EnvoyNode
         yield n
 
 
-def _service(node: EnvoyNode, name: str = "echo", ip: str = SVC_IP, app: str = "echo") -> None:
+def _service(node: EnvoyNode, name: str = "echo", ip: str = SVC_IP, app: str = "echo",
+             port: int = 80, target: int = 8080, app_protocol: str | None = None) -> None:
+    sp: dict[str, Any] = {"name": "p", "port": port, "targetPort": target}
+    if app_protocol:
+        sp["appProtocol"] = app_protocol
     node.agent.write(f"svc-{name}.yaml", [{
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
         "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": app},
-                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
+                 "ports": [sp]}}])
 
 
 def _echo_pair(node: EnvoyNode, *others: Pod, deps: str = "app/echo",
@@ -332,14 +337,15 @@ def test_spire_delegate_provider_end_to_end(workdir: str, bridge_name: str) -> N
         spire.stop()
 
 
-def _mesh_client(ca_dir: str, spiffe: str | None, alpn: bool = True) -> ssl.SSLContext:
-    """What a peer proxy presents: TLS 1.3, our ALPN, an SVID of ``spiffe`` (None: none)."""
+def _mesh_client(ca_dir: str, spiffe: str | None, alpn: str | None = "aether-mesh"
+                 ) -> ssl.SSLContext:
+    """What a peer proxy presents: TLS 1.3, a hop ALPN, an SVID of ``spiffe`` (None: none)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.load_verify_locations(os.path.join(ca_dir, "ca.crt"))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     if alpn:
-        ctx.set_alpn_protocols(["aether-mesh"])
+        ctx.set_alpn_protocols([alpn])
     if spiffe is not None:
         svid = CaDirProvider(ca_dir).issue(spiffe, time.time())
         d = os.path.join(ca_dir, f"client-{abs(hash(spiffe))}")
@@ -384,10 +390,15 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
     other_ca = os.path.join(mnode.agent.workdir, "other-ca")
     make_ca(other_ca, TD)
     try:
-        ok = _mesh_get(outsider.netns, server.ip(), _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"),
-                       "8080")
-        assert ok.startswith("HTTP/1.1 200"), ok
-        assert f"URI=spiffe://{TD}/ns/t/sa/tester" in ok  # the XFCC the app echoed back
+        tester = f"spiffe://{TD}/ns/t/sa/tester"
+        for alpn in ("aether-mesh", "aether-mesh-http"):  # detected / declared HTTP
+            ok = _mesh_get(outsider.netns, server.ip(), _mesh_client(ca, tester, alpn), "8080")
+            assert ok.startswith("HTTP/1.1 200"), (alpn, ok)
+            assert f"URI={tester}" in ok, (alpn, ok)  # the XFCC the app echoed back
+        # declared opaque TCP: the bytes reach the app as sent, no header added
+        raw = _mesh_get(outsider.netns, server.ip(), _mesh_client(ca, tester, "aether-mesh-tcp"),
+                        "8080")
+        assert raw.startswith("HTTP/1.1 200") and "x-forwarded-client-cert" not in raw, raw
         for sni in ("15008", "15001", "15009"):  # the proxy's own ports: closed, no loop
             got = _mesh_get(outsider.netns, server.ip(),
                             _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"), sni)
@@ -398,11 +409,84 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
         assert not got.startswith("HTTP/1.1 200") and '"pod"' not in got, got
         for ctx in (_mesh_client(ca, None),  # no client certificate
                     _mesh_client(other_ca, f"spiffe://{TD}/ns/t/sa/tester"),  # another CA
-                    _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester", alpn=False)):
+                    _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester", alpn=None),
+                    _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester", alpn="h2")):
             got = _mesh_get(outsider.netns, server.ip(), ctx, "8080")
             assert not got.startswith("HTTP"), got
     finally:
         srv.shutdown()
+
+
+def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyNode) -> None:
+    """appProtocol http: the hop's ClientHello asks for aether-mesh-http and the backend gets
+    XFCC straight from the TLS connection; appProtocol of another protocol: aether-mesh-tcp,
+    relayed as sent (a server-closes-first answer arrives whole). Neither crosses the pod's
+    loopback listener, which only undeclared ports use."""
+    _service(mnode, "web", "10.96.70.21", app_protocol="http")
+    _service(mnode, "opaque", "10.96.70.22", port=7000, target=7000, app_protocol="redis")
+    server, client, srv = _echo_pair(mnode, deps="app/echo,app/web,app/opaque")
+    payload = b"first-the-server-speaks\n" * 3000
+
+    def listen() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 7000))
+        s.listen(8)
+        return s
+
+    raw = run_in_netns(server.netns, listen)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = raw.accept()
+            except OSError:
+                return
+            c.sendall(payload)  # server-first: no wait for the client
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        assert _get_ok(client.netns, "10.96.70.21")[0] == 200
+        local_before = _local_listener_connections(mnode, server)
+        with Sniffer(server.netns) as wire:
+            status, _h, body = http_get_from(client.netns, "10.96.70.21", 80,
+                                             headers={"x-forwarded-client-cert": "URI=forged"})[0]
+
+            def opaque() -> tuple[int, float]:
+                t0 = time.monotonic()
+                s = socket.create_connection(("10.96.70.22", 7000), timeout=5)
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                s.close()
+                return len(data), time.monotonic() - t0
+
+            got, took = run_in_netns(client.netns, opaque)
+        assert status == 200, body
+        xfcc = json.loads(body)["headers"].get("x-forwarded-client-cert", "")
+        assert xfcc == (f"By=spiffe://{TD}/ns/app/sa/server;URI=spiffe://{TD}/ns/app/sa/client"), xfcc
+        assert got == len(payload)
+        # no first-byte wait for a declared protocol (the detection timeout is 0.5 s)
+        assert took < mtls.DETECT_TIMEOUT_S, took
+        hellos = [s.payload for s in wire.between(client.ip(), server.ip())
+                  if s.src == client.ip() and s.payload[:1] == b"\x16" and s.payload[5:6] == b"\x01"]
+        assert any(b"aether-mesh-http" in h for h in hellos), "no ClientHello asking for HTTP"
+        assert any(b"aether-mesh-tcp" in h for h in hellos), "no ClientHello asking for TCP"
+        assert not any(b"GET /" in s.payload for s in wire.between(client.ip(), server.ip()))
+        assert _local_listener_connections(mnode, server) == local_before
+    finally:
+        raw.close()
+        srv.shutdown()
+
+
+def _local_listener_connections(node: EnvoyNode, pod: Pod) -> int:
+    """Connections the pod's loopback listener (undeclared ports only) has accepted."""
+    name = mtls.inbound_local_listener_name(pod.container_id)
+    stats = node.admin("/stats?filter=downstream_cx_total")
+    m = re.search(rf"listener\.{re.escape(name)}\.downstream_cx_total: (\d+)", stats)
+    assert m, stats[:2000]
+    return int(m.group(1))
 
 
 def test_the_server_closing_first_loses_nothing(mnode: EnvoyNode) -> None:

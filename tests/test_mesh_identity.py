@@ -18,6 +18,7 @@ from agent.envoy.resources import (
     NodeXdsState,
     PodListener,
     ResourceBuilder,
+    build_service_cluster,
 )
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.identity.manager import IdentityManager
@@ -247,7 +248,8 @@ def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None
     from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
     from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
     by_name = {c.name: c for c in lis.filter_chains}
-    assert set(by_name) == {"own-ports-v4", "mtls-v4", "own-ports-v6", "mtls-v6"}
+    assert set(by_name) == {f"{c}-v{f}" for f in "46"
+                            for c in ("own-ports", "mtls", "mtls-http", "mtls-tcp")}
     # every chain names its family's range (Envoy narrows on the address before the name)
     assert all(len(c.filter_chain_match.prefix_ranges) == 1 for c in lis.filter_chains)
     deny = by_name["own-ports-v4"]
@@ -272,6 +274,68 @@ def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None
         mtls.PORT_TLV: "%REQUESTED_SERVER_NAME%"}
     assert lis.address.socket_address.network_namespace_filepath == "/run/netns/c1"
     assert lis.address.socket_address.port_value == 15008
+    # the server offers every hop ALPN; the caller's one picks the chain
+    assert list(down.common_tls_context.alpn_protocols) == list(mtls.MESH_ALPNS)
+
+
+def _state_formats(filter_: Any) -> dict[str, str]:
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    cfg = set_filter_state_pb2.Config()
+    filter_.typed_config.Unpack(cfg)
+    return {v.object_key: v.format_string.text_format_source.inline_string
+            for v in cfg.on_new_connection}
+
+
+def test_declared_protocols_skip_the_loopback_hop() -> None:
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+    from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+    lis = mtls.build_inbound_listener("c1", "/run/netns/c1", "app/server", ("fd00::7",),
+                                      mtls.MeshTls(TD, {}, "B"), ipv4=False)
+    by_name = {c.name: c for c in lis.filter_chains}
+    assert set(by_name) == {"own-ports-v6", "mtls-v6", "mtls-http-v6", "mtls-tcp-v6"}
+    http, tcp = by_name["mtls-http-v6"], by_name["mtls-tcp-v6"]
+    assert list(http.filter_chain_match.application_protocols) == [mtls.MESH_ALPN_HTTP]
+    assert list(tcp.filter_chain_match.application_protocols) == [mtls.MESH_ALPN_TCP]
+    for chain in (http, tcp):
+        # delivered to the pod's own address, the port from the server name, in its netns
+        fmt = _state_formats(chain.filters[0])
+        assert fmt[mtls.ORIGINAL_DST_ADDRESS_STATE] == "[fd00::7]:%REQUESTED_SERVER_NAME%"
+        assert fmt[mtls.UPSTREAM_NETNS_STATE] == "/run/netns/c1"
+    hcm = hcm_pb2.HttpConnectionManager()
+    http.filters[1].typed_config.Unpack(hcm)
+    assert hcm.forward_client_cert_details == hcm_pb2.HttpConnectionManager.SANITIZE
+    route = hcm.route_config.virtual_hosts[0].routes[0]
+    assert route.route.cluster == mtls.INBOUND_DELIVER_CLUSTER
+    assert route.request_headers_to_add[0].header.value == (
+        "By=%DOWNSTREAM_LOCAL_URI_SAN%;URI=%DOWNSTREAM_PEER_URI_SAN%")
+    proxy = tcp_proxy_pb2.TcpProxy()
+    tcp.filters[1].typed_config.Unpack(proxy)
+    assert proxy.cluster == mtls.INBOUND_DELIVER_CLUSTER
+    # no connection to the application before the caller is authenticated
+    assert proxy.upstream_connect_mode == tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE
+
+
+def test_the_hop_alpn_follows_the_service_ports_app_protocol() -> None:
+    assert mtls.hop_alpn("http") == mtls.MESH_ALPN_HTTP
+    assert mtls.hop_alpn("tcp") == mtls.MESH_ALPN_TCP
+    assert mtls.hop_alpn("detect") == mtls.MESH_ALPN
+    ports = (ServicePort(80, "web", "TCP", 8080, "http"), ServicePort(5432, "db", "TCP", 5432, "postgresql"),
+             ServicePort(9000, "x", "TCP", 9000, None))
+    view = ServiceView("app/srv", "app", "srv", ("10.96.0.10",), ports, ("srv",))
+    from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
+    for port, alpn in ((80, mtls.MESH_ALPN_HTTP), (5432, mtls.MESH_ALPN_TCP), (9000, mtls.MESH_ALPN)):
+        c = build_service_cluster(view, port, 1.0, tunnel=True)
+        assert dict(c.metadata.filter_metadata[mtls.HOP_METADATA]) == {"alpn": alpn}
+        iu = internal_upstream_pb2.InternalUpstreamTransport()
+        c.transport_socket.typed_config.Unpack(iu)
+        assert [(m.name, m.kind.WhichOneof("kind")) for m in iu.passthrough_metadata] == [
+            (mtls.ORIGINAL_DST_METADATA, "host"), (mtls.AETHER_METADATA, "host"),
+            (mtls.HOP_METADATA, "cluster")]
+    # mtls-out turns it into the upstream ALPN
+    fmt = _state_formats(mtls.build_mtls_out_listener().default_filter_chain.filters[0])
+    assert fmt[mtls.APPLICATION_PROTOCOLS_STATE] == f"%DYNAMIC_METADATA({mtls.HOP_METADATA}:alpn)%"
 
 
 def test_inbound_local_delivers_only_to_the_pods_own_address() -> None:

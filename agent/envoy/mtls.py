@@ -13,11 +13,19 @@ Outbound (a captured pod calling a Service endpoint)::
 Inbound (``inbound-<container id>``, bound on :15008 in every captured pod's netns)::
 
     tls_inspector ─▶ TLS (the pod's SVID; a client certificate of the trust domain required)
-       ─▶ tcp_proxy, once the handshake is done, over the pod's loopback with a PROXY v2
-          header carrying the caller's and the pod's SPIFFE IDs and the SNI port
-    inbound-local-<container id> (127.0.0.1:15009 in the pod's netns): HTTP (detected) ─▶
-       HCM adding x-forwarded-client-cert; else tcp_proxy
-       ─▶ inbound-deliver (ORIGINAL_DST <pod ip>:<port>, socket in the pod's netns)
+       ALPN aether-mesh-http (appProtocol HTTP): HCM adding x-forwarded-client-cert ─┐
+       ALPN aether-mesh-tcp (another appProtocol): tcp_proxy after the handshake ───┤
+       ALPN aether-mesh (none declared): tcp_proxy, once the handshake is done, over │
+          the pod's loopback with a PROXY v2 header carrying the caller's and the     │
+          pod's SPIFFE IDs and the SNI port to inbound-local-<container id>           │
+          (127.0.0.1:15009): HTTP (detected) ─▶ HCM adding XFCC; else tcp_proxy ──────┤
+       ─▶ inbound-deliver (ORIGINAL_DST <pod ip>:<port>, socket in the pod's netns) ◀─┘
+
+Why the ALPN carries the protocol: the caller's proxy knows the Service port's appProtocol,
+the destination does not. A declared port skips the loopback hop and the first-byte wait;
+an undeclared one is detected after TLS, which needs the plaintext, hence the loopback
+listener. The ALPN is in the ClientHello, so the destination picks its filter chain before
+the handshake. A caller that lies about it only changes how its own bytes are parsed.
 
 Why the port in SNI and not HTTP/2 CONNECT (HBONE's shape, tried first): Envoy 1.40 resets a
 CONNECT stream when its upstream closes first (envoyproxy/envoy#28329, #47378), so any
@@ -173,15 +181,30 @@ def _sds(name: str) -> secret_pb2.SdsSecretConfig:
         resource_api_version=config_source_pb2.V3))
 
 
+# The mesh hop's ALPN names what the destination does with the bytes, from the Service
+# port's appProtocol as the caller's proxy knows it: HTTP (the inbound side runs the HTTP
+# codec on the TLS connection itself and adds XFCC), opaque TCP (relayed as is), or not
+# declared (the inbound side detects HTTP after the handshake, over the pod's loopback).
 MESH_ALPN = "aether-mesh"
+MESH_ALPN_HTTP = "aether-mesh-http"
+MESH_ALPN_TCP = "aether-mesh-tcp"
+MESH_ALPNS = (MESH_ALPN, MESH_ALPN_HTTP, MESH_ALPN_TCP)
+HOP_METADATA = "aether.hop"
+APPLICATION_PROTOCOLS_STATE = "envoy.network.application_protocols"
 
 
-def _common_tls(identity: str, trust_domain: str) -> tls_pb2.CommonTlsContext:
+def hop_alpn(protocol: str) -> str:
+    """The hop's ALPN for a port protocol (``http_routes.port_protocol``: http, tcp, detect)."""
+    return {"http": MESH_ALPN_HTTP, "tcp": MESH_ALPN_TCP}.get(protocol, MESH_ALPN)
+
+
+def _common_tls(identity: str, trust_domain: str, alpns: Sequence[str] = (MESH_ALPN,)
+                ) -> tls_pb2.CommonTlsContext:
     """Our SVID, the bundle, peers of our trust domain only (URI SAN prefix), TLS 1.3, and
-    our own ALPN (a mesh hop is not mistaken for any other TLS protocol)."""
+    our own ALPNs (a mesh hop is not mistaken for any other TLS protocol)."""
     ctx = tls_pb2.CommonTlsContext(
         tls_certificate_sds_secret_configs=[_sds(svid_secret_name(identity))],
-        alpn_protocols=[MESH_ALPN])
+        alpn_protocols=list(alpns))
     ctx.tls_params.tls_minimum_protocol_version = common_pb2.TlsParameters.TLSv1_3
     ctx.tls_params.tls_maximum_protocol_version = common_pb2.TlsParameters.TLSv1_3
     combined = ctx.combined_validation_context
@@ -215,8 +238,16 @@ def caller_state(identity: str) -> value_pb2.FilterStateValue:
 
 def tunnel_transport_socket() -> base_pb2.TransportSocket:
     """A Service cluster's transport in mTLS mode: to ``mtls-out`` with the endpoint's pod
-    address and SAN passed along as metadata."""
-    return internal_upstream(ORIGINAL_DST_METADATA, AETHER_METADATA)
+    address and SAN, and the cluster's hop ALPN, passed along as metadata."""
+    return internal_upstream(ORIGINAL_DST_METADATA, AETHER_METADATA,
+                             cluster_metadata=(HOP_METADATA,))
+
+
+def set_hop_metadata(cluster: cluster_pb2.Cluster, protocol: str) -> None:
+    """A tunnelled Service cluster names its port's hop ALPN (read by ``mtls-out``)."""
+    md = struct_pb2.Struct()
+    md.update({"alpn": hop_alpn(protocol)})
+    cluster.metadata.filter_metadata[HOP_METADATA].CopyFrom(md)
 
 
 def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
@@ -246,6 +277,7 @@ def build_mtls_out_listener() -> listener_pb2.Listener:
                     shared=NOT_SHARED),
         state_value(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%"),
         state_value(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%"),
+        state_value(APPLICATION_PROTOCOLS_STATE, f"%DYNAMIC_METADATA({HOP_METADATA}:alpn)%"),
     )
     return listener_pb2.Listener(
         name=MTLS_OUT_LISTENER, stat_prefix=MTLS_OUT_LISTENER,
@@ -305,11 +337,19 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
                            forbidden_ports: Sequence[int] = (),
                            access_log: bool = False) -> listener_pb2.Listener:
     """``inbound-<uid>``: the pod's end of the mesh hop, bound on the inbound port of every
-    address in its netns. Terminates mTLS (a peer certificate of the trust domain and our
-    ALPN required); once the handshake is done, relays the connection over the pod's
-    loopback to ``inbound-local-<uid>`` with both SPIFFE IDs and the port (from SNI) in a
-    PROXY v2 header. A server name that is one of the proxy's ports (a loop) matches a
-    closing chain; one that is not a port is refused where it is delivered."""
+    address in its netns. Terminates mTLS (a peer certificate of the trust domain and one of
+    our ALPNs required); then, by the ALPN the caller's proxy chose from the Service port's
+    appProtocol:
+
+    * ``aether-mesh-http``: the HTTP codec on the TLS connection itself, adding
+      ``x-forwarded-client-cert`` (the caller's URI SAN), delivering to ``<pod ip>:<port>``;
+    * ``aether-mesh-tcp``: relayed as is to ``<pod ip>:<port>`` once the handshake is done;
+    * ``aether-mesh`` (not declared): relayed over the pod's loopback to
+      ``inbound-local-<uid>``, which detects HTTP, with both SPIFFE IDs and the port in a
+      PROXY v2 header.
+
+    The port is the server name. A server name that is one of the proxy's ports (a loop)
+    matches a closing chain; one that is not a port is refused where it is delivered."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
     forbidden = {str(p) for p in (tls.inbound_port, INBOUND_LOCAL_PORT, *forbidden_ports)}
@@ -319,6 +359,8 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     if not addrs:
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
     local = INBOUND_LOCAL_CLUSTERS["4" if ipv4 else "6"]
+    name = inbound_listener_name(uid)
+    target = _deliver_target(ips)
 
     def match(family: str, **kw: object) -> listener_components_pb2.FilterChainMatch:
         # every chain names its destination range: Envoy narrows on the destination address
@@ -328,46 +370,118 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         cidr.prefix_len.value = 0
         return m
 
-    def chain(family: str) -> listener_components_pb2.FilterChain:
+    def terminate() -> base_pb2.TransportSocket:
         downstream = tls_pb2.DownstreamTlsContext(
-            common_tls_context=_common_tls(identity, tls.trust_domain))
+            common_tls_context=_common_tls(identity, tls.trust_domain, MESH_ALPNS))
         downstream.require_client_certificate.value = True
-        state = set_filter_state(
-            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
-        # the peer's identity exists only once the handshake is done (filter state is set
-        # when the connection is accepted): the upstream waits for it
+        return transport_socket("envoy.transport_sockets.tls", downstream)
+
+    def after_handshake() -> tcp_proxy_pb2.TcpProxy:
+        # the peer's identity exists only once the handshake is done, and an unauthenticated
+        # caller must not make the proxy open a connection: the upstream waits for it
         tcp = tcp_proxy_pb2.TcpProxy(
             upstream_connect_mode=tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE)
         tcp.max_early_data_bytes.value = 0  # nothing is read before the handshake is done
+        return tcp
+
+    def detect(family: str) -> listener_components_pb2.FilterChain:
+        state = set_filter_state(
+            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+        tcp = after_handshake()
         for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
                               (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%"),
                               (PORT_TLV, "%REQUESTED_SERVER_NAME%")):
             tlv = tcp.proxy_protocol_tlvs.add(type=tlv_type)
             tlv.format_string.text_format_source.inline_string = fmt
-        proxy = tcp_proxy_filter(inbound_listener_name(uid), local, *logs, config=tcp)
         return listener_components_pb2.FilterChain(
             name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
-            filters=[state, proxy],
-            transport_socket=transport_socket("envoy.transport_sockets.tls", downstream))
+            filters=[state, tcp_proxy_filter(name, local, *logs, config=tcp)],
+            transport_socket=terminate())
+
+    def direct_state() -> listener_components_pb2.Filter:
+        return _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path)
+
+    def http(family: str) -> listener_components_pb2.FilterChain:
+        hcm = _deliver_hcm(f"{name}-http", "%DOWNSTREAM_LOCAL_URI_SAN%",
+                           "%DOWNSTREAM_PEER_URI_SAN%", logs)
+        return listener_components_pb2.FilterChain(
+            name=f"mtls-http-v{family}",
+            filter_chain_match=match(family, application_protocols=[MESH_ALPN_HTTP]),
+            filters=[direct_state(), hcm], transport_socket=terminate())
+
+    def tcp(family: str) -> listener_components_pb2.FilterChain:
+        return listener_components_pb2.FilterChain(
+            name=f"mtls-tcp-v{family}",
+            filter_chain_match=match(family, application_protocols=[MESH_ALPN_TCP]),
+            filters=[direct_state(), tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER, *logs,
+                                                      config=after_handshake())],
+            transport_socket=terminate())
 
     def deny(family: str) -> listener_components_pb2.FilterChain:
         return listener_components_pb2.FilterChain(
             name=f"own-ports-v{family}", filter_chain_match=match(family, server_names=sorted(forbidden)),
-            filters=[tcp_proxy_filter(inbound_listener_name(uid), NO_IDENTITY_CLUSTER)])
+            filters=[tcp_proxy_filter(name, NO_IDENTITY_CLUSTER)])
 
     inspector = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.tls_inspector")
     from envoy.extensions.filters.listener.tls_inspector.v3 import tls_inspector_pb2
     inspector.typed_config.Pack(tls_inspector_pb2.TlsInspector())
     lis = listener_pb2.Listener(
-        name=inbound_listener_name(uid), stat_prefix=inbound_listener_name(uid),
+        name=name, stat_prefix=name,
         address=_sock(*addrs[0], netns_path), listener_filters=[inspector],
         filter_chains=[c for f, on in (("4", ipv4), ("6", ipv6)) if on
-                       for c in (deny(f), chain(f))])
+                       for c in (deny(f), detect(f), http(f), tcp(f))])
     for a in addrs[1:]:
         lis.additional_addresses.add().address.CopyFrom(_sock(*a, netns_path))
     if ipv4 and ipv6:
         lis.address.socket_address.ipv4_compat = False
     return lis
+
+
+def _deliver_target(ips: Sequence[str]) -> str:
+    """Where mesh connections are delivered: the pod's first address (v4 when dual-stack),
+    bracketed for IPv6, never an address the caller names."""
+    ip = ips[0]
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _deliver_state(target: str, port_fmt: str, netns_path: str) -> listener_components_pb2.Filter:
+    """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns."""
+    return set_filter_state(
+        state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}"),
+        state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+
+
+def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
+                 logs: Sequence[accesslog_pb2.AccessLog] = ()) -> listener_components_pb2.Filter:
+    """The HTTP codec delivering to ``inbound-deliver``: every request gets
+    ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's id>``, any XFCC the caller sent
+    removed first."""
+    xfcc = base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=XFCC, value=f"By={by_fmt};URI={uri_fmt}"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
+                     request_headers_to_add=[xfcc])
+    route.route.cluster = INBOUND_DELIVER_CLUSTER
+    route.route.timeout.CopyFrom(duration(0))
+    hcm = hcm_pb2.HttpConnectionManager(
+        stat_prefix=stat_prefix,
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        forward_client_cert_details=hcm_pb2.HttpConnectionManager.SANITIZE,
+        route_config=route_pb2.RouteConfiguration(
+            name=stat_prefix, virtual_hosts=[rc.VirtualHost(
+                name="deliver", domains=["*"], routes=[route])]),
+        http_filters=[_http_filter("envoy.filters.http.router",
+                                   router_pb2.Router(suppress_envoy_headers=True))],
+        access_log=list(logs),
+    )
+    # the last hop before the application: no request id to invent (the caller's passes
+    # through; inventing one halved keep-alive throughput), no x-envoy-* headers to add and
+    # the app's own Server header kept: per-request work the app never asked for
+    hcm.generate_request_id.value = False
+    hcm.server_header_transformation = hcm_pb2.HttpConnectionManager.PASS_THROUGH
+    f = listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager")
+    f.typed_config.Pack(hcm)
+    return f
 
 
 def _sock(ip: str, port: int, netns_path: str) -> address_pb2.Address:
@@ -385,8 +499,7 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     could not reach directly."""
     from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
     name = inbound_local_listener_name(uid)
-    ip = ips[0]  # the first address: v4 when dual-stack
-    target = f"[{ip}]" if ":" in ip else ip
+    target = _deliver_target(ips)
     pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
     for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local"), (PORT_TLV, "port")):
         rule = pp.rules.add(tlv_type=tlv_type)
@@ -398,31 +511,10 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
 
     def state() -> listener_components_pb2.Filter:
-        return set_filter_state(
-            state_value(ORIGINAL_DST_ADDRESS_STATE,
-                        f"{target}:%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%"),
-            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+        return _deliver_state(target, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%", netns_path)
 
-    xfcc = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(
-            key=XFCC, value=(f"By=%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%;"
-                             f"URI=%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%")),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-    route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
-                     request_headers_to_add=[xfcc])
-    route.route.cluster = INBOUND_DELIVER_CLUSTER
-    route.route.timeout.CopyFrom(duration(0))
-    hcm = hcm_pb2.HttpConnectionManager(
-        stat_prefix=name,
-        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
-        forward_client_cert_details=hcm_pb2.HttpConnectionManager.SANITIZE,
-        route_config=route_pb2.RouteConfiguration(
-            name=name, virtual_hosts=[rc.VirtualHost(
-                name="deliver", domains=["*"], routes=[route])]),
-        http_filters=[_http_filter("envoy.filters.http.router", router_pb2.Router())],
-    )
-    hcm_filter = listener_components_pb2.Filter(name="envoy.filters.network.http_connection_manager")
-    hcm_filter.typed_config.Pack(hcm)
+    hcm_filter = _deliver_hcm(name, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%",
+                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%")
     http_chain = listener_components_pb2.FilterChain(
         name="http", filters=[state(), hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(

@@ -430,6 +430,9 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
         cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
     sp = next((p for p in view.ports if p.port == port), None)
+    if tunnel:
+        from agent.envoy.http_routes import port_protocol
+        mtls.set_hop_metadata(cluster, port_protocol(sp) if sp is not None else "detect")
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
         upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
     return cluster
