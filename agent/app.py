@@ -256,6 +256,9 @@ class Agent:
         ident = getattr(sink, "identity", None)
         if ident is not None:
             m.identity_source = ident.status
+            xds = getattr(sink, "xds", None)
+            if xds is not None:
+                m.mesh_traffic_source = xds.inbound.status
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),

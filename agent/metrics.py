@@ -118,6 +118,50 @@ class _IdentityCollector(Collector):
                                   value=float(st.get("rotations") or 0))
 
 
+class _MeshTrafficCollector(Collector):
+    """Mesh connections this node's pods accepted, by their identity and the caller's
+    SPIFFE ID (``agent.envoy.mesh_traffic``; capped, the fold counted)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        read = self._metrics.mesh_traffic_source
+        if read is None:
+            return
+        try:
+            st = read()
+        except Exception as e:  # noqa: BLE001 - never fail the scrape
+            log.debug("mesh traffic metrics failed: %s", e)
+            return
+        labels = ["identity", "caller"]
+        conns = CounterMetricFamily(
+            "aether_mesh_inbound_connections",
+            "Mesh (mTLS) connections accepted by this node's pods, by the pods' identity "
+            "(<ns>/<sa>) and the caller's SPIFFE ID ('unauthenticated': no client "
+            "certificate; 'other': past the series cap).", labels=labels)
+        rx = CounterMetricFamily("aether_mesh_inbound_received_bytes",
+                                 "Bytes received from callers on those connections.",
+                                 labels=labels)
+        tx = CounterMetricFamily("aether_mesh_inbound_sent_bytes",
+                                 "Bytes sent to callers on those connections.", labels=labels)
+        for r in st.get("inbound") or []:
+            key = [r["identity"], r["caller"]]
+            conns.add_metric(key, float(r["connections"]))
+            rx.add_metric(key, float(r["received_bytes"]))
+            tx.add_metric(key, float(r["sent_bytes"]))
+        yield conns
+        yield rx
+        yield tx
+        yield CounterMetricFamily(
+            "aether_mesh_inbound_folded_connections",
+            f"Connections counted under caller='other' because {st.get('max_series')} "
+            "(identity, caller) series were already held.", value=float(st.get("folded") or 0))
+
+
 class Metrics:
     """The agent's metrics; owners push CNI/xDS timings and register live sources."""
 
@@ -143,6 +187,9 @@ class Metrics:
         # the identity manager's status(), when the agent has an identity provider
         self.identity_source: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_IdentityCollector(self))
+        # the xDS server's InboundTally.status(), when the agent runs Envoy
+        self.mesh_traffic_source: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_MeshTrafficCollector(self))
 
     def observe_cni(self, command: Any, seconds: float, outcome: str) -> None:
         """Record one CNI request; unknown commands are folded into `invalid`."""

@@ -30,7 +30,19 @@ def identity_lines(ident: dict[str, Any]) -> list[str]:
     if rows:
         lines += ["    " + ln for ln in _table(
             ["IDENTITY", "SPIFFE ID", "EXPIRES IN", "PODS", "ERROR"], rows).splitlines()]
+    accepted = (ident.get("accepted") or {}).get("inbound") or []
+    if accepted:
+        top = sorted(accepted, key=lambda r: -int(r["connections"]))[:TOP_CALLERS]
+        lines.append(f"  mesh connections accepted, by caller (top {len(top)} of "
+                     f"{len(accepted)}; all on /metrics):")
+        lines += ["    " + ln for ln in _table(
+            ["IDENTITY", "CALLER", "CONNECTIONS", "BYTES IN", "BYTES OUT"],
+            [[r["identity"], r["caller"], str(r["connections"]), str(r["received_bytes"]),
+              str(r["sent_bytes"])] for r in top]).splitlines()]
     return lines
+
+
+TOP_CALLERS = 10
 
 
 def _duration(seconds: float) -> str:

@@ -120,6 +120,15 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
                             mnode.agent.run_dir], capture_output=True, text=True, check=True).stdout
     assert "mesh identity: ca-dir" in human and f"spiffe://{TD}/ns/app/sa/server" in human
     assert re.search(r"app/client\s+spiffe://\S+/sa/client\s+(59|60)m\s+app/client", human), human
+    # and who called whom: the server's pods accepted the client's connections (the access
+    # log stream is flushed each second)
+    deadline = time.monotonic() + 10
+    while not re.search(rf"app/server\s+spiffe://{TD}/ns/app/sa/client\s+\d+", human):
+        assert time.monotonic() < deadline, human
+        time.sleep(0.3)
+        human = subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir",
+                                mnode.agent.run_dir], capture_output=True, text=True,
+                               check=True).stdout
     code, metrics = mnode.agent.http("/metrics")
     left = re.search(r'aether_svid_expiry_seconds\{identity="app/server"\} (\S+)', metrics)
     assert code == 200 and left and 3500 < float(left.group(1)) <= 3600
@@ -415,6 +424,22 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
             assert not got.startswith("HTTP"), got
     finally:
         srv.shutdown()
+    # every connection above is counted by caller on /metrics: the tester's four that
+    # completed the handshake, and the others under "unauthenticated"
+    series = {(f'caller="{tester}",identity="app/server"', 4),
+              ('caller="unauthenticated",identity="app/server"', 8)}
+    deadline = time.monotonic() + 10
+    while True:
+        _code, text = mnode.agent.http("/metrics")
+        got_series = {(m.group(1), int(float(m.group(2)))) for m in re.finditer(
+            r"aether_mesh_inbound_connections_total\{(.*?)\} (\S+)", text)}
+        if got_series == series or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert got_series == series, got_series
+    rx = re.search(rf'aether_mesh_inbound_received_bytes_total\{{caller="{re.escape(tester)}",'
+                   rf'identity="app/server"\}} (\S+)', text)
+    assert rx and float(rx.group(1)) > 0, text
 
 
 def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyNode) -> None:

@@ -20,10 +20,13 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
+from agent.envoy.mesh_traffic import InboundConnection
+from agent.envoy.mtls import INBOUND_ALS_LOG_NAME, INBOUND_LISTENER_TAG
 from agent.envoy.resources import ALS_LISTENER_TAG, ALS_LOG_NAME
 
 # on_access(listener_name, dst_ip, dst_port); listener_name is "" if Envoy sent none.
 AccessCallback = Callable[[str, str, int], None]
+InboundCallback = Callable[[InboundConnection], None]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,20 @@ def parse_tcp_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> AccessEntry | Non
     )
 
 
+def _uri_san(props: Any) -> str:
+    return next((s.uri for s in props.subject_alt_name if s.uri), "")
+
+
+def parse_inbound_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> InboundConnection:
+    """An inbound listener's connection: the pod's and the caller's URI SANs, bytes."""
+    tls = entry.common_properties.tls_properties
+    conn = entry.connection_properties
+    return InboundConnection(_uri_san(tls.local_certificate_properties),
+                             _uri_san(tls.peer_certificate_properties),
+                             int(conn.received_bytes), int(conn.sent_bytes),
+                             entry.common_properties.custom_tags.get(INBOUND_LISTENER_TAG, ""))
+
+
 def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:
     """The TCP entries of one stream message (HTTP entries are not ours yet)."""
     out = []
@@ -66,8 +83,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
     never allowed to break the stream (Envoy would reconnect and buffer meanwhile)."""
 
     def __init__(self, on_access: AccessCallback | None = None,
-                 log: logging.Logger | None = None) -> None:
+                 log: logging.Logger | None = None,
+                 on_inbound: InboundCallback | None = None) -> None:
         self._cb = on_access
+        self._inbound = on_inbound
         self._lock = threading.Lock()
         self.log = log or logging.getLogger("agent.envoy.als")
         self.entries = 0
@@ -79,6 +98,9 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
 
     def handle(self, msg: als_pb2.StreamAccessLogsMessage, log_name: str) -> None:
         """Dispatch one message (``log_name`` is the stream's, sent only in its first)."""
+        if log_name == INBOUND_ALS_LOG_NAME:
+            self._handle_inbound(msg)
+            return
         if log_name and log_name != ALS_LOG_NAME:
             return
         with self._lock:
@@ -91,6 +113,17 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
                 cb(e.listener_name, e.dst_ip, e.dst_port)
             except Exception:
                 self.log.exception("access callback failed for %s:%d", e.dst_ip, e.dst_port)
+
+    def _handle_inbound(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
+        cb = self._inbound
+        for e in msg.tcp_logs.log_entry:
+            self.entries += 1
+            if cb is None:
+                continue
+            try:
+                cb(parse_inbound_entry(e))
+            except Exception:
+                self.log.exception("inbound access callback failed")
 
     def StreamAccessLogs(  # noqa: N802 - grpc naming
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext

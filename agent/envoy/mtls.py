@@ -83,6 +83,7 @@ from agent.envoy.pieces import (
     set_filter_state,
     state_value,
     stdout_access_log,
+    tcp_grpc_access_log,
     tcp_proxy_filter,
     transport_socket,
 )
@@ -122,6 +123,10 @@ ORIGINAL_DST_ADDRESS_STATE = "envoy.network.transport_socket.original_dst_addres
 ORIGINAL_DST_METADATA = "envoy.filters.listener.original_dst"
 AETHER_METADATA = "aether"
 XFCC = "x-forwarded-client-cert"
+# Every connection an inbound listener closes is reported to the agent under this log name
+# (the pod's and the caller's URI SANs, bytes): per-caller metrics (``mesh_traffic``).
+INBOUND_ALS_LOG_NAME = "aether-inbound"
+INBOUND_LISTENER_TAG = "listener"
 # How long the inbound side waits for a first byte to tell HTTP (gets the XFCC header) from
 # other TCP; a server-first protocol waits this long for its first byte to arrive.
 DETECT_TIMEOUT_S = 0.5
@@ -434,6 +439,10 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         lis.additional_addresses.add().address.CopyFrom(_sock(*a, netns_path))
     if ipv4 and ipv6:
         lis.address.socket_address.ipv4_compat = False
+    # the listener's own log: once per connection whatever its chain (HTTP ones included),
+    # and for handshakes that failed too; one config for every pod, so one stream
+    lis.access_log.append(tcp_grpc_access_log(INBOUND_ALS_LOG_NAME,
+                                              {INBOUND_LISTENER_TAG: "%LISTENER_NAME%"}))
     return lis
 
 

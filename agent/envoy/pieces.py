@@ -5,8 +5,14 @@ upstreams. Pure; a leaf module, so both can import it without importing each oth
 from __future__ import annotations
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    config_source_pb2,
+    grpc_service_pb2,
+    substitution_format_string_pb2,
+)
 from envoy.config.listener.v3 import listener_components_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.extensions.filters.common.set_filter_state.v3 import value_pb2
 from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2
@@ -18,6 +24,8 @@ from google.protobuf import duration_pb2
 from google.protobuf.message import Message
 
 STRING_STATE_FACTORY = "envoy.string"
+# The bootstrap's unix-socket cluster to the agent (ADS and the access log service).
+AGENT_GRPC_CLUSTER = "xds"
 # The pod's netns path: the clusters' local address selector opens the upstream socket there.
 UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
 
@@ -79,6 +87,23 @@ def stdout_access_log(fmt: str) -> accesslog_pb2.AccessLog:
             text_format_source={"inline_string": fmt}))
     log = accesslog_pb2.AccessLog(name="envoy.access_loggers.stdout")
     log.typed_config.Pack(cfg)
+    return log
+
+
+def tcp_grpc_access_log(log_name: str, tags: dict[str, str] | None = None
+                        ) -> accesslog_pb2.AccessLog:
+    """A TCP gRPC access log to the agent (over the bootstrap's unix-socket cluster) under
+    ``log_name``, with custom ``tags`` (formatter values); configs that are equal share one
+    logger and one stream per worker, so tags must be formats, not per-listener literals."""
+    from envoy.type.tracing.v3 import custom_tag_pb2
+    common = als_pb2.CommonGrpcAccessLogConfig(
+        log_name=log_name, transport_api_version=config_source_pb2.V3,
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)),
+        custom_tags=[custom_tag_pb2.CustomTag(tag=k, value=v)
+                     for k, v in sorted((tags or {}).items())])
+    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.tcp_grpc")
+    log.typed_config.Pack(als_pb2.TcpGrpcAccessLogConfig(common_config=common))
     return log
 
 

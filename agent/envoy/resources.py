@@ -66,6 +66,7 @@ from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.mtls import MeshTls
 from agent.envoy.pieces import (
+    AGENT_GRPC_CLUSTER,
     STRING_STATE_FACTORY,
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
@@ -90,8 +91,6 @@ LISTENER_PREFIX = "capture-"
 NAMESPACE_LISTENER_PREFIX = "mesh-"
 DEFAULT_NAMESPACE = "default"
 SERVICE_CLUSTER_PREFIX = "svc|"
-# The bootstrap's unix-socket cluster to the agent (ADS and the access log service).
-AGENT_GRPC_CLUSTER = "xds"
 ALS_LOG_NAME = "aether-passthrough"
 # Custom tags on every ALS entry: the pod listener that accepted the connection (from filter
 # state) and the internal listener that logged it.

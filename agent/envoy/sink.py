@@ -105,6 +105,7 @@ class EnvoySink:
                                           cgroup=cgroup)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
+        self.xds.inbound.resolve = self._identity_of_listener
         # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
         self._rejected: dict[str, str] = {}
         self._removals: dict[str, str] = {}  # cid -> xDS version that dropped its listener
@@ -420,6 +421,15 @@ class EnvoySink:
         gRPC thread once per passthrough connection: the callback must stay fast."""
         self.xds.set_access_callback(None if cb is None else (lambda _lis, ip, port: cb(ip, port)))
 
+    def _identity_of_listener(self, listener: str) -> str | None:
+        """``inbound-<cid>`` → its pod's identity (for the inbound access log; a gRPC
+        thread, so one dict read and no lock)."""
+        from agent.envoy.mtls import INBOUND_LISTENER_PREFIX
+        if not listener.startswith(INBOUND_LISTENER_PREFIX):
+            return None
+        pod = self._pods.get(listener[len(INBOUND_LISTENER_PREFIX):])
+        return pod.identity if pod is not None else None
+
     def has_listener(self, container_id: str) -> bool:
         with self._lock:
             return container_id in self._pods
@@ -488,6 +498,8 @@ class EnvoySink:
         x = self.xds.status()
         ready = self.ready()
         ident = self.identity.status() if self.identity is not None else None
+        if ident is not None:
+            ident = {**ident, "accepted": self.xds.inbound.status()}
         return {
             **sup,
             "ready": ready,

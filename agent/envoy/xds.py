@@ -34,6 +34,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
 from agent.envoy.als import AccessCallback, AccessLogServicer, add_access_log_servicer
+from agent.envoy.mesh_traffic import InboundTally
 from agent.envoy.mtls import SECRET_TYPE
 from agent.envoy.resources import (
     CLUSTER_TYPE,
@@ -98,7 +99,9 @@ class XdsServer:
                  on_access: AccessCallback | None = None) -> None:
         self.socket_path = socket_path
         self.log = log or logging.getLogger("agent.envoy.xds")
-        self.als = AccessLogServicer(on_access, log=self.log)
+        # the mesh connections this node's pods accepted, by caller (the inbound access log)
+        self.inbound = InboundTally()
+        self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add)
         self._builder = ResourceBuilder()
         self._publish_lock = threading.RLock()
         # type -> id(proto) -> (proto, hash): resources the builder reused are not
