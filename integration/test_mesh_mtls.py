@@ -260,7 +260,26 @@ def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
         # a pod outside the mesh, straight to the pod's port
         direct = http_get_from(outsider.netns, server.ip(), 8080, count=1, timeout=3)[0]
         if mode == "strict":
-            assert direct[0] == 0 and "Connection" in direct[1]["error"], direct
+            # steered to the proxy, which speaks only mesh mTLS: closed, no answer, and
+            # counted as an unauthenticated caller of the pod
+            assert direct[0] == 0 and direct[1]["error"], direct
+            deadline = time.monotonic() + 10
+            pat = (r'aether_mesh_inbound_connections_total'
+                   r'\{caller="unauthenticated",identity="app/server"\} (\S+)')
+            while not re.search(pat, mnode.agent.http("/metrics")[1]):
+                assert time.monotonic() < deadline, "the refused connection was not counted"
+                time.sleep(0.3)
+            # a raw TCP client (no request sent) is not answered either
+            def raw() -> bytes:
+                s = socket.create_connection((server.ip(), 8080), timeout=3)
+                s.settimeout(20)
+                try:
+                    return s.recv(100)
+                except OSError:
+                    return b""
+                finally:
+                    s.close()
+            assert run_in_netns(outsider.netns, raw) == b""
         else:
             assert direct[0] == 200
             assert "x-forwarded-client-cert" not in json.loads(direct[2])["headers"]

@@ -109,3 +109,29 @@ def test_a_first_add_creates_the_table_plainly() -> None:
     assert first.startswith('create table inet aether { comment "aether capture redirect-all')
     assert rest == render_table(d.policy)  # the comment rides on create, the body adds the chain
     assert "delete table" not in text
+
+
+def test_strict_steers_other_inbound_connections_to_the_proxy() -> None:
+    """STRICT: a prerouting chain sends every new inbound TCP connection to the inbound
+    (mTLS-only) listener, except the mesh port itself, loopback and the node's addresses."""
+    from agent.capture.policy import ANN_PEER_AUTH
+    from agent.capture.rules import render_inbound_rules
+    node = NodeConfig(proxy_cgroup="unified/aether-proxy", proxy_cgroup_level=1,
+                      node_addresses=("10.214.0.1", "fd00::1"))
+    d = decide(PodMeta("app", "p", annotations={ANN_PEER_AUTH: "strict"}), NS, node, True)
+    assert d.policy is not None and d.policy.strict
+    text = render_ruleset(d.policy)
+    path = GOLDEN / "strict.nft"
+    if os.environ.get("AETHER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+    assert "type nat hook prerouting priority -100" in text
+    rules = render_inbound_rules(d.policy)
+    # the steering rule is last: nothing after it, every exemption before it
+    assert rules[-1].startswith("tcp flags & (syn | ack) == syn redirect to :15008")
+    assert all("redirect" not in r for r in rules[:-1])
+    assert any(r.startswith("ip saddr 10.214.0.1 return") for r in rules)
+    assert any(r.startswith("ip6 saddr fd00::1 return") for r in rules)
+    # permissive pods get no inbound chain at all
+    p = decide(PodMeta("app", "p"), NS, node, True)
+    assert p.policy is not None and "prerouting" not in render_ruleset(p.policy)

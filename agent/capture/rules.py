@@ -84,21 +84,23 @@ INBOUND_CHAIN = "inbound"
 
 
 def render_inbound_rules(policy: CapturePolicy) -> list[str]:
-    """STRICT: the input chain that refuses plaintext from outside the mesh. Only a new
-    connection's SYN is judged (replies to the pod's own connections pass); loopback is the
-    proxy delivering a mesh connection; the node's addresses are kubelet's probes."""
+    """STRICT: the prerouting chain that steers every other inbound TCP connection to the
+    proxy's inbound listener, which serves only mesh mTLS: plaintext is closed there and
+    counted (as an unauthenticated caller), never delivered. Only a new connection's SYN is
+    steered (replies to the pod's own connections pass); loopback is the proxy delivering a
+    mesh connection; the node's addresses are kubelet's probes."""
     rules = [
-        'meta iifname "lo" accept comment "loopback (the proxy delivering)"',
-        f'tcp dport {policy.inbound_port} accept comment "mesh hop (mTLS)"',
+        'meta iifname "lo" return comment "loopback (the proxy delivering)"',
+        f'tcp dport {policy.inbound_port} return comment "mesh hop (mTLS)"',
     ]
     if policy.node_sources_v4:
-        rules.append(f'ip saddr {_set(list(policy.node_sources_v4))} accept '
+        rules.append(f'ip saddr {_set(list(policy.node_sources_v4))} return '
                      'comment "the node (kubelet probes)"')
     if policy.node_sources_v6:
-        rules.append(f'ip6 saddr {_set(list(policy.node_sources_v6))} accept '
+        rules.append(f'ip6 saddr {_set(list(policy.node_sources_v6))} return '
                      'comment "the node (kubelet probes)"')
-    rules.append('tcp flags & (syn | ack) == syn reject with tcp reset '
-                 'comment "strict: plaintext from outside the mesh"')
+    rules.append(f'tcp flags & (syn | ack) == syn redirect to :{policy.inbound_port} '
+                 'comment "strict: to the proxy, which accepts only mesh mTLS"')
     return rules
 
 
@@ -123,7 +125,7 @@ def render_table(policy: CapturePolicy) -> str:
     if policy.strict:
         rules = "\n".join(f"\t\t{r}" for r in render_inbound_rules(policy))
         inbound = (f"\tchain {INBOUND_CHAIN} {{\n"
-                   "\t\ttype filter hook input priority 0; policy accept;\n"
+                   "\t\ttype nat hook prerouting priority -100; policy accept;\n"
                    f"{rules}\n"
                    "\t}\n")
     return (

@@ -130,6 +130,8 @@ INBOUND_LISTENER_TAG = "listener"
 # How long the inbound side waits for a first byte to tell HTTP (gets the XFCC header) from
 # other TCP; a server-first protocol waits this long for its first byte to arrive.
 DETECT_TIMEOUT_S = 0.5
+# How long the inbound listener waits for a TLS ClientHello before closing.
+HELLO_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,9 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     lis = listener_pb2.Listener(
         name=name, stat_prefix=name,
         address=_sock(*addrs[0], netns_path), listener_filters=[inspector],
+        # a peer proxy sends its ClientHello at once; anything else (plaintext steered here
+        # from a STRICT pod's ports) is not held for Envoy's default 15 s
+        listener_filters_timeout=duration(HELLO_TIMEOUT_S),
         filter_chains=[c for f, on in (("4", ipv4), ("6", ipv6)) if on
                        for c in (deny(f), detect(f), http(f), tcp(f))])
     for a in addrs[1:]:
