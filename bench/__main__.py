@@ -174,6 +174,13 @@ def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
             out.append(("mesh_mtls", f"mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}, {label}",
                         f"{s['mesh_rps_median']:.0f}", f"direct {s['direct_rps_median']:.0f}",
                         f"{s['rps_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
+    for mode, s in d["shapes"].get("keepalive", {}).get("modes", {}).items():
+        if s.get("node_envoy_cpu_us_per_request_median"):
+            out.append(("mesh_mtls", f"node Envoy CPU per keep-alive request, both ends of the "
+                        f"hop, {MTLS_MODE_LABELS.get(mode, mode)}",
+                        f"{s['node_envoy_cpu_us_per_request_median']:.0f} µs",
+                        f"{d.get('node_envoy_workers', '?')} worker(s), "
+                        f"{s['node_envoy_cpu_share_median']:.2f} CPUs busy", "-", "-"))
     return out
 
 

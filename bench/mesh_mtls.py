@@ -34,6 +34,8 @@ import tempfile
 import time
 from typing import Any
 
+import psutil
+
 from agent.identity.ca_dir import make_ca
 from agent.netns.pin import release_mounts_under
 from bench.common import AgentProc, Kubelet, Pod, dumps, machine_info, progress
@@ -90,6 +92,23 @@ def _spread(xs: list[float]) -> list[float]:
     return [round(min(xs), 3), round(max(xs), 3)] if xs else []
 
 
+def _cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
+def _workers(p: psutil.Process) -> int:
+    return sum(1 for t in p.threads() if _thread_name(p.pid, t.id).startswith("wrk:worker"))
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     ca = os.path.join(workdir, "ca")
     make_ca(ca)
@@ -122,6 +141,8 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
             subprocess.run(["ip", "netns", "exec", p.netns_name, "sysctl", "-qw",
                             "net.ipv4.tcp_tw_reuse=1"], check=True)
         out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "shapes": {}}
+        envoy = psutil.Process(int(agent.status()["envoy"]["pid"]))
+        out["node_envoy_workers"] = _workers(envoy)
         modes = ["direct", *MESH_MODES]
         for shape in ("keepalive", "newconn"):
             runs: list[dict[str, Any]] = []
@@ -131,9 +152,14 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                     progress(f"[mtls] wrk {shape} round {r + 1}/{rounds}: {mode} "
                              f"({i}/{len(order)}, {duration:g} s) …")
                     pod, url = (outsider, direct_url) if mode == "direct" else (client, urls[mode])
+                    cpu0 = _cpu_s(envoy)
                     w: WrkResult = run_wrk(pod.netns_name, url, duration, WRK_THREADS,
                                            WRK_CONNECTIONS, new_connection=shape == "newconn")
-                    runs.append({"round": r, "mode": mode, **w.to_json()})
+                    cpu = _cpu_s(envoy) - cpu0
+                    runs.append({"round": r, "mode": mode, **w.to_json(),
+                                 "node_envoy_cpu_s": round(cpu, 3),
+                                 "node_envoy_cpu_us_per_request":
+                                     round(cpu * 1e6 / w.requests, 1) if w.requests else None})
             direct = {x["round"]: x for x in runs if x["mode"] == "direct"}
             per_mode: dict[str, Any] = {}
             for mode in MESH_MODES:
@@ -152,6 +178,12 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                     "direct_p50_ms_median": statistics.median(
                         [d["p50_ms"] for d in direct.values()]),
                     "mesh_errors": errors,
+                    # the node Envoy's CPU per request (both ends of the hop are on it)
+                    "node_envoy_cpu_us_per_request_median": statistics.median(
+                        [m["node_envoy_cpu_us_per_request"] for m in mesh
+                         if m["node_envoy_cpu_us_per_request"] is not None] or [0.0]),
+                    "node_envoy_cpu_share_median": round(statistics.median(
+                        [m["node_envoy_cpu_s"] / duration for m in mesh]), 2),
                 }
                 if shape == "keepalive":
                     row["target"] = TARGET_RPS_RATIO
@@ -160,7 +192,9 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                 per_mode[mode] = row
                 print(f"{shape} {mode}: mesh {row['mesh_rps_median']:.0f} req/s vs direct "
                       f"{row['direct_rps_median']:.0f}: {row['rps_ratio_median']:.2f}× "
-                      f"(spread {row['spread']}), mesh errors {errors}", flush=True)
+                      f"(spread {row['spread']}), mesh errors {errors}; node Envoy "
+                      f"{row['node_envoy_cpu_us_per_request_median']:.0f} µs CPU/request, "
+                      f"{row['node_envoy_cpu_share_median']:.2f} CPUs busy", flush=True)
             out["shapes"][shape] = {"runs": runs, "modes": per_mode}
         st = agent.status()
         out["svids"] = [r["identity"] for r in st["envoy"]["identity"]["svids"]]
