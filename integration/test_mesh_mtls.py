@@ -668,3 +668,42 @@ def test_a_pod_writing_its_own_proxy_header_reaches_only_itself(mnode: EnvoyNode
     finally:
         host.close()
         srv.shutdown()
+
+
+def test_grpc_over_the_mesh_is_balanced_per_request_and_names_the_caller(
+        mnode: EnvoyNode) -> None:
+    """A Service port with appProtocol grpc and no route: 40 unary calls on one client
+    connection are spread over both backend pods (per request, not per connection), each
+    over mTLS, and every call reaches the server with the caller's identity in XFCC."""
+    from integration.gamma_harness import _GRPC_CLIENT, GrpcBackend, _grpc_env
+    _service(mnode, "rpc", "10.96.70.31", app="rpc", port=9090, target=9090, app_protocol="grpc")
+    servers = [mnode.pod(name=f"rpc-{i}", labels={"app": "rpc"}, service_account="server")
+               for i in range(2)]
+    client = mnode.pod(name="client", service_account="client",
+                       annotations={"aether.io/dependencies": "app/rpc"})
+    for p in (*servers, client):
+        mnode.add(p)
+    backends = [GrpcBackend(p.netns_name, p.name, os.path.join(mnode.agent.workdir, f"{p.name}.log"))
+                for p in servers]
+    try:
+        for b in backends:
+            b.wait_ready()
+        args = json.dumps({"target": "10.96.70.31:9090",
+                           "calls": [{"method": "/echo.Echo/Ping", "count": 40, "timeout": 5}]})
+        deadline = time.monotonic() + 20
+        while True:
+            r = subprocess.run(["ip", "netns", "exec", client.netns_name, sys.executable, "-c",
+                                _GRPC_CLIENT, args], capture_output=True, text=True,
+                               timeout=120, env=_grpc_env(), check=False)
+            out = json.loads(r.stdout) if r.returncode == 0 else []
+            if (out and all(a["ok"] for a in out)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert out and all(a["ok"] for a in out), (r.stderr[-2000:], out[:3])
+        pods = {a["answer"]["pod"] for a in out}
+        assert pods == {"rpc-0", "rpc-1"}, pods
+        xfcc = {a["answer"]["metadata"].get("x-forwarded-client-cert") for a in out}
+        assert xfcc == {f"By=spiffe://{TD}/ns/app/sa/server;URI=spiffe://{TD}/ns/app/sa/client"}, xfcc
+    finally:
+        for b in backends:
+            b.close()

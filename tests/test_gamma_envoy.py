@@ -455,3 +455,33 @@ def test_http_inspector_only_for_detect_ports() -> None:
     assert one_port.filter_disabled.not_match.destination_port_range.start == 8080
     two = http_inspector_listener_filter([81, 8080])
     assert two is not None and len(two.filter_disabled.not_match.or_match.rules) == 2
+
+
+def test_an_h2c_or_grpc_port_is_balanced_per_request_without_a_route() -> None:
+    """appProtocol grpc / kubernetes.io/h2c and no route: the HTTP codec with one route to
+    the Service itself (no timeout), so requests on one connection are balanced; plain http
+    and opaque ports without a route stay L4."""
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+
+    from agent.envoy.resources import chain_for, service_cluster_name
+    from agent.scope.model import ServiceView
+    from agent.scope.services import ServicePort
+    ports = (ServicePort(9090, "rpc", "TCP", 9090, "grpc"),
+             ServicePort(9091, "h2", "TCP", 9091, "kubernetes.io/h2c"),
+             ServicePort(80, "web", "TCP", 8080, "http"), ServicePort(81, "raw", "TCP", 81, None))
+    view = ServiceView("app/s", "app", "s", ("10.96.0.9",), ports, ("s",))
+    for port in ports:
+        chains = chain_for(view, port, None, None)
+        chains = chains if isinstance(chains, list) else [chains]
+        names = [f.name for c in chains for f in c.filters]
+        if port.port in (9090, 9091):
+            assert names == ["envoy.filters.network.http_connection_manager"], names
+            hcm = hcm_pb2.HttpConnectionManager()
+            chains[0].filters[0].typed_config.Unpack(hcm)
+            route = hcm.route_config.virtual_hosts[0].routes[0]
+            assert route.route.cluster == service_cluster_name("app", "s", port.port)
+            assert route.route.timeout.ToNanoseconds() == 0  # streams are not cut
+        else:
+            assert "envoy.filters.network.http_connection_manager" not in names, names

@@ -310,6 +310,11 @@ def test_declared_protocols_skip_the_loopback_hop() -> None:
     assert route.route.cluster == mtls.INBOUND_DELIVER_CLUSTER
     assert route.request_headers_to_add[0].header.value == (
         "By=%DOWNSTREAM_LOCAL_URI_SAN%;URI=%DOWNSTREAM_PEER_URI_SAN%")
+    # picked by the offered ALPN, none negotiated: the codec sniffs h2c from the preface
+    from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
+    down = tls_pb2.DownstreamTlsContext()
+    http.transport_socket.typed_config.Unpack(down)
+    assert not down.common_tls_context.alpn_protocols
     proxy = tcp_proxy_pb2.TcpProxy()
     tcp.filters[1].typed_config.Unpack(proxy)
     assert proxy.cluster == mtls.INBOUND_DELIVER_CLUSTER

@@ -32,9 +32,11 @@ from envoy.type.v3 import percent_pb2, range_pb2
 from agent.envoy.pieces import duration
 from agent.scope.gamma import (
     GRPC_ROUTE,
+    HTTP_ROUTE,
     Backend,
     HeaderModifier,
     Match,
+    PathMatch,
     PathModifier,
     Redirect,
     RouteTable,
@@ -380,6 +382,8 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
     """
     tcp = tcp_chain(view, port)
     proto = port_protocol(port)
+    if table is None and balances_per_request(port):
+        table = default_table(view, port)
     if table is None or proto == "tcp":
         return [tcp]
     match = listener_components_pb2.FilterChainMatch()
@@ -390,6 +394,23 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
                               hcm_for(table, cluster_name, access_log=access_log,
                                       hosts=target_hosts(view)))
     return [chain] if proto == "http" else [chain, tcp]
+
+
+def balances_per_request(port: ServicePort) -> bool:
+    """HTTP/2 and gRPC ports (by appProtocol) are balanced per request even without a
+    route: one long-lived connection is spread over every endpoint, not pinned to one."""
+    return port.app_protocol is not None and port.app_protocol.lower() in H2C_APP_PROTOCOLS
+
+
+def default_table(view: ServiceView, port: ServicePort) -> RouteTable:
+    """What a Service port with no route does over HTTP: every request to the Service
+    itself, no timeout (streams), no retries: the L4 behaviour, per request."""
+    rule = Rule(kind=HTTP_ROUTE, route_key=f"default|{view.key}", rule_index=0, match_index=0,
+                match=Match(path=PathMatch("PathPrefix", "/")),
+                backends=(Backend(view.namespace, view.name, port.port,
+                                  app_protocol=port.app_protocol),))
+    return RouteTable(target=view.key, port=port.port, scope=None, kind=HTTP_ROUTE,
+                      rules=(rule,), routes=())
 
 
 def target_hosts(view: ServiceView) -> list[str]:

@@ -377,9 +377,9 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         cidr.prefix_len.value = 0
         return m
 
-    def terminate() -> base_pb2.TransportSocket:
+    def terminate(alpns: Sequence[str] = MESH_ALPNS) -> base_pb2.TransportSocket:
         downstream = tls_pb2.DownstreamTlsContext(
-            common_tls_context=_common_tls(identity, tls.trust_domain, MESH_ALPNS))
+            common_tls_context=_common_tls(identity, tls.trust_domain, alpns))
         downstream.require_client_certificate.value = True
         return transport_socket("envoy.transport_sockets.tls", downstream)
 
@@ -414,7 +414,10 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         return listener_components_pb2.FilterChain(
             name=f"mtls-http-v{family}",
             filter_chain_match=match(family, application_protocols=[MESH_ALPN_HTTP]),
-            filters=[direct_state(), hcm], transport_socket=terminate())
+            # the chain is picked by the ALPN the caller offers, but none is negotiated: the
+            # HTTP codec takes a negotiated ALPN as the protocol and would read h2c as HTTP/1;
+            # with none it tells HTTP/2 from HTTP/1.1 by the connection preface
+            filters=[direct_state(), hcm], transport_socket=terminate(alpns=()))
 
     def tcp(family: str) -> listener_components_pb2.FilterChain:
         return listener_components_pb2.FilterChain(

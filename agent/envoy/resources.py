@@ -366,11 +366,12 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     for a chain shared by all callers (see ``chain_varies_by_caller``). May return one chain
     or several (HTTP + L4 fallback); all match only this Service port.
     """
-    if gamma is None:
-        return service_chain(view, port)
-    from agent.envoy.http_routes import service_port_chains
+    from agent.envoy.http_routes import balances_per_request, service_port_chains
 
-    table = (gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
+    if gamma is None and not balances_per_request(port):
+        return service_chain(view, port)
+    table = (None if gamma is None
+             else gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
              else gamma.tables.get((view.key, port.port, None)))
     return service_port_chains(view, port, table, tcp_chain=_tcp_chain,
                                cluster_name=service_cluster_name,
