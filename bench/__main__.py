@@ -26,6 +26,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
     "agent_scale": {"full": ["--pods", "50000,100000", "--services", "10000"],
                     "quick": ["--quick"]},
     "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
+    "h2_balance": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
 }
 
 
@@ -184,8 +185,23 @@ def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_h2_balance(d: dict[str, Any]) -> list[Row]:
+    lo, hi = (d["spread"] + [0.0, 0.0])[:2]
+    verdict = ("PASS" if d["target_met"] else "MISS") + f" (≥ {d['target']:g}×)"
+    return [
+        ("h2_balance", f"h2c per-request balancing, {d['connections']} conn × {d['streams']} "
+                       "streams, req/s", f"{d['per_request_rps_median']:.0f}",
+         f"L4 {d['l4_rps_median']:.0f}", f"{d['ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})",
+         verdict),
+        ("h2_balance", "smaller backend's share of requests (2 backends)",
+         f"{d['per_request_min_backend_share_median']:.2f}",
+         f"L4 {d['l4_min_backend_share_median']:.2f}", "-", "-"),
+    ]
+
+
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
-        "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls}
+        "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
+        "h2_balance": rows_h2_balance}
 
 
 def machine() -> str:

@@ -30,12 +30,13 @@ def envoy_version() -> str:
     return m.group(1) if m else "unknown"
 
 
-def _server_bootstrap(port: int, admin: str, body_bytes: int) -> dict[str, Any]:
+def _server_bootstrap(port: int, admin: str, body_bytes: int, codec: str = "HTTP1"
+                      ) -> dict[str, Any]:
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
                  ".v3.HttpConnectionManager",
         "stat_prefix": "bench_server",
-        "codec_type": "HTTP1",
+        "codec_type": codec,
         "route_config": {"virtual_hosts": [{
             "name": "all", "domains": ["*"],
             "routes": [{"match": {"prefix": "/"},
@@ -63,20 +64,22 @@ class ServerEnvoy:
     """`envoy` with a static direct_response listener on 0.0.0.0:<port> in the host netns."""
 
     def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1,
-                 port: int | None = None, netns_name: str | None = None) -> None:
+                 port: int | None = None, netns_name: str | None = None,
+                 codec: str = "HTTP1", name: str = "server-envoy") -> None:
         self.port = port or free_port()
         # inside a pod's netns instead of the host's (a mesh pod's server)
         self.prefix = ["ip", "netns", "exec", netns_name] if netns_name else []
-        self.admin = os.path.join(workdir, "server-envoy-admin.sock")
+        self.admin = os.path.join(workdir, f"{name}-admin.sock")
         self.body_bytes = body_bytes
         self.workers = workers
-        self.config = os.path.join(workdir, "server-envoy.json")
-        self.log_path = os.path.join(workdir, "server-envoy.log")
+        self.codec = codec  # "AUTO" also serves h2c prior knowledge
+        self.config = os.path.join(workdir, f"{name}.json")
+        self.log_path = os.path.join(workdir, f"{name}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ServerEnvoy:
         with open(self.config, "w") as f:
-            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes), f)
+            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes, self.codec), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [*self.prefix, find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
@@ -92,6 +95,12 @@ class ServerEnvoy:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"server envoy not ready after {timeout:.0f}s: {self.logs()}")
+
+    def requests(self) -> int:
+        """Requests this server has answered (its HCM's counter)."""
+        body = admin_request(self.admin, "GET", "/stats?filter=^http.bench_server.downstream_rq_total$")[1]
+        m = re.search(r"downstream_rq_total: (\d+)", body)
+        return int(m.group(1)) if m else 0
 
     def logs(self) -> str:
         try:

@@ -346,7 +346,14 @@ def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str 
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
     )
     router = hcm.http_filters.add(name="envoy.filters.http.router")
-    router.typed_config.Pack(router_pb2.Router())
+    # no x-envoy-* headers towards the app or back to the caller: a transparent proxy adds
+    # nothing the application did not ask for
+    router.typed_config.Pack(router_pb2.Router(suppress_envoy_headers=True))
+    # a request id only where the caller sent one (it passes through): inventing one per
+    # request is a UUID each, most of the HTTP codec's cost here, for a tracing setup that
+    # does not exist
+    hcm.generate_request_id.value = False
+    hcm.server_header_transformation = hcm_pb2.HttpConnectionManager.PASS_THROUGH
     return hcm
 
 
