@@ -294,12 +294,31 @@ def test_clashing_cluster_ip_keeps_first_service_only() -> None:
 
 @pytest.mark.parametrize(("ready", "draining", "want"), [
     (True, False, "HEALTHY"), (False, False, "UNHEALTHY"),
-    (True, True, "DRAINING"), (False, True, "DRAINING")])
+    # terminating but still serving: usable, in the fallback priority
+    (True, True, "HEALTHY"), (False, True, "DRAINING")])
 def test_health_mapping(ready: bool, draining: bool, want: str) -> None:
     eps = {80: (_ep("10.1.0.5", ready=ready, draining=draining),)}
     cla = build_resources(_svc_state(_view(eps=eps)))[ENDPOINT_TYPE]["svc|mesh|web|80"]
     (lb,) = cla.endpoints[0].lb_endpoints
     assert health_check_pb2.HealthStatus.Name(lb.health_status) == want
+    assert cla.endpoints[0].priority == 0  # one group: contiguous from 0
+
+
+def test_terminating_endpoints_serve_only_when_no_ready_one_is_left() -> None:
+    """kube-proxy's order: ready endpoints first; serving-but-terminating ones (priority 1)
+    only when none is ready; no spill while one ready endpoint remains; a published
+    (publishNotReadyAddresses) endpoint counts as ready whatever its state."""
+    eps = {80: (_ep("10.1.0.5"), _ep("10.1.0.6", ready=False), _ep("10.1.0.7", draining=True),
+                _ep("10.1.0.8", ready=False, draining=True),
+                Endpoint("10.1.0.9", 8080, SA, True, True, SAN, "mesh/web-9", always_ready=True))}
+    cla = build_resources(_svc_state(_view(eps=eps)))[ENDPOINT_TYPE]["svc|mesh|web|80"]
+    groups = {g.priority: {lb.endpoint.address.socket_address.address:
+                           health_check_pb2.HealthStatus.Name(lb.health_status)
+                           for lb in g.lb_endpoints} for g in cla.endpoints}
+    assert groups == {0: {"10.1.0.5": "HEALTHY", "10.1.0.6": "UNHEALTHY", "10.1.0.9": "HEALTHY"},
+                      1: {"10.1.0.7": "HEALTHY", "10.1.0.8": "DRAINING"}}
+    # 2 of 3 healthy at priority 0 must not spill to the terminating ones
+    assert cla.policy.overprovisioning_factor.value >= 100 * 3
 
 
 def test_endpoint_address_and_identity_metadata_sorted_unique() -> None:
@@ -467,3 +486,24 @@ def test_learn_chains_cached_until_targets_change() -> None:
     moved = b.build(replace(state, learn_targets=(("10.96.9.7", 80),)))[LISTENER_TYPE][
         "mesh-default"]
     assert moved is not first and _chains(moved)["learn-80"] == [("10.96.9.7", 32, 80)]
+
+
+def test_client_ip_affinity_hashes_the_callers_address_with_maglev() -> None:
+    from agent.scope.services import TrafficPolicy, traffic_policy_from_spec
+    pol = traffic_policy_from_spec({"sessionAffinity": "ClientIP",
+                                    "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}},
+                                    "internalTrafficPolicy": "Local",
+                                    "publishNotReadyAddresses": True})
+    assert pol == TrafficPolicy(True, 60, True, True)
+    assert traffic_policy_from_spec({"sessionAffinityConfig": "x"}) == TrafficPolicy()
+    view = _view()
+    sticky = replace(view, traffic=pol)
+    for v, lb, hashed in ((view, "ROUND_ROBIN", False), (sticky, "MAGLEV", True)):
+        res = build_resources(_svc_state(v))
+        c = res[CLUSTER_TYPE]["svc|mesh|web|80"]
+        assert cluster_pb2.Cluster.LbPolicy.Name(c.lb_policy) == lb
+        chain = next(c for c in res[LISTENER_TYPE]["mesh-default"].message().filter_chains
+                     if c.name == "svc|mesh|web|80")
+        tcp = tcp_proxy_pb2.TcpProxy()
+        chain.filters[0].typed_config.Unpack(tcp)
+        assert [h.HasField("source_ip") for h in tcp.hash_policy] == ([True] if hashed else [])

@@ -277,7 +277,9 @@ WEB, DB = "svc|mesh|web|80", "svc|mesh|db|80"
 
 
 def _view(name: str, cip: str, *ips: str, draining: bool = False) -> ServiceView:
-    eps = tuple(Endpoint(ip, 8080, "mesh/sa", True, draining) for ip in ips)
+    # draining: terminating and no longer serving (a terminating pod that still serves is
+    # as usable as a ready one when it is all there is)
+    eps = tuple(Endpoint(ip, 8080, "mesh/sa", not draining, draining) for ip in ips)
     return ServiceView(key=f"mesh/{name}", namespace="mesh", name=name, cluster_ips=(cip,),
                        ports=(ServicePort(80),), names=(), endpoints={80: eps})
 

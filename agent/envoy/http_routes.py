@@ -263,6 +263,9 @@ def _route_action(rule: Rule, cluster_name: ClusterNameFn) -> rc.RouteAction:
                     cw.host_rewrite_literal = b.host_rewrite
     # Unset request timeout: disabled, not Envoy's 15 s default (mesh streams, gRPC).
     action.timeout.CopyFrom(duration(rule.request_timeout_s or 0.0))
+    # A backend Service with sessionAffinity: ClientIP hashes (Maglev) on the caller pod's
+    # address; other clusters balance round robin and ignore the hash
+    action.hash_policy.add().connection_properties.source_ip = True
     retry = rule.retry
     if retry is not None or rule.backend_timeout_s is not None:
         policy = action.retry_policy

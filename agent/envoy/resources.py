@@ -58,6 +58,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.type.tracing.v3 import custom_tag_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool, struct_pb2
 from google.protobuf.message import Message
@@ -330,12 +331,18 @@ def service_chain(view: ServiceView, port: ServicePort) -> listener_components_p
         prefix_ranges=[c for c in map(_cidr, view.cluster_ips) if c is not None],
     )
     match.destination_port.value = port.port
+    tcp = None
+    if view.traffic.client_ip_affinity:
+        # sessionAffinity: ClientIP: the cluster hashes (Maglev) on the caller pod's address,
+        # restored on the namespace listener, so one pod keeps its endpoint across connections
+        tcp = tcp_proxy_pb2.TcpProxy()
+        tcp.hash_policy.add().source_ip.SetInParent()
     return listener_components_pb2.FilterChain(
         name=cluster,
         filter_chain_match=match,
         # no per-chain access log: at 10k Services it was most of each chain's bytes; the
         # passthrough chain keeps its log (learning) and cluster stats cover Service traffic
-        filters=[tcp_proxy_filter(cluster, cluster)],
+        filters=[tcp_proxy_filter(cluster, cluster, config=tcp)],
     )
 
 
@@ -429,6 +436,10 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     else:
         cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
+    if view.traffic.client_ip_affinity:
+        # consistent hashing on the caller's address (tcp_proxy / route hash policies);
+        # Maglev moves few callers when an endpoint comes or goes
+        cluster.lb_policy = cluster_pb2.Cluster.MAGLEV
     sp = next((p for p in view.ports if p.port == port), None)
     if tunnel:
         from agent.envoy.http_routes import port_protocol
@@ -439,10 +450,26 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
 
 
 def endpoint_health(ep: Endpoint) -> int:
-    """draining (terminating) -> DRAINING, else ready -> HEALTHY, else UNHEALTHY."""
-    if ep.draining:
-        return int(health_check_pb2.DRAINING)
-    return int(health_check_pb2.HEALTHY if ep.ready else health_check_pb2.UNHEALTHY)
+    """Ready (or published whatever its state) → HEALTHY; terminating but still serving
+    (Ready) → HEALTHY, in the fallback priority (see ``endpoint_priority``); terminating and
+    not serving → DRAINING; not ready → UNHEALTHY. Never sent new connections unless
+    HEALTHY (panic mode is off)."""
+    if ep.always_ready or ep.ready:
+        return int(health_check_pb2.HEALTHY)
+    return int(health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNHEALTHY)
+
+
+def endpoint_priority(ep: Endpoint) -> int:
+    """0 for endpoints that are not terminating (or published regardless), 1 for terminating
+    ones: as kube-proxy does, a terminating endpoint that still serves gets traffic only
+    when no ready endpoint is left."""
+    return 0 if ep.always_ready or not ep.draining else 1
+
+
+# Envoy spills a priority's load to the next one as its healthy share drops below
+# 100/1.4 %; Kubernetes does not spill while any ready endpoint exists. A factor this large
+# keeps every request at priority 0 while one of its hosts is healthy.
+OVERPROVISIONING_FACTOR = 1_000_000
 
 
 def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
@@ -467,17 +494,21 @@ def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.
 
 def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
                           tunnel: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
-    """One locality, endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts)."""
+    """Endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts), in priority
+    0 (not terminating) and, when there are any, priority 1 (terminating)."""
     seen: set[tuple[str, int]] = set()
     lbs = []
     for ep in sorted(endpoints, key=lambda e: (e.ip, e.port, e.draining, not e.ready)):
         if (ep.ip, ep.port) in seen:
             continue
         seen.add((ep.ip, ep.port))
-        lbs.append(_lb_endpoint(ep, tunnel))
+        lbs.append((endpoint_priority(ep), _lb_endpoint(ep, tunnel)))
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
-    if lbs:
-        cla.endpoints.add(lb_endpoints=lbs)
+    for priority in sorted(set(p for p, _ in lbs)):
+        cla.endpoints.add(priority=len(cla.endpoints),  # contiguous from 0
+                          lb_endpoints=[lb for p, lb in lbs if p == priority])
+    if len(cla.endpoints) > 1:
+        cla.policy.overprovisioning_factor.value = OVERPROVISIONING_FACTOR
     return cla
 
 
@@ -787,7 +818,7 @@ class ResourceBuilder:
                 and old.chain_key[-1] == sig:
             return old
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
-        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, sig)
+        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -802,7 +833,8 @@ class ResourceBuilder:
                 rows.append((p, claims, shared))
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
-                       tuple((p.port, p.app_protocol) for p in tcp_ports), timeout)
+                       tuple((p.port, p.app_protocol) for p in tcp_ports),
+                       view.traffic.client_ip_affinity, timeout)
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:

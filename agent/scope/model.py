@@ -24,6 +24,7 @@ from agent.scope.services import (
     Service,
     ServiceCatalog,
     ServicePort,
+    TrafficPolicy,
     service_from_object,
 )
 from agent.source.base import WatchEvent
@@ -43,6 +44,9 @@ class Endpoint:
     san: str = ""
     pod: str = ""
     local: bool = False
+    # publishNotReadyAddresses: ready whatever the pod says, terminating or not (as the
+    # EndpointSlice controller publishes it)
+    always_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class ServiceView:
     names: tuple[str, ...]
     endpoints: dict[int, tuple[Endpoint, ...]] = field(default_factory=dict)
     routes: tuple[Route, ...] = ()
+    traffic: TrafficPolicy = field(default_factory=TrafficPolicy)
 
     @property
     def is_route_target(self) -> bool:
@@ -426,13 +431,16 @@ class MeshModel:
         for sp in svc.ports:
             eps: list[Endpoint] = []
             for rec in members:
+                if svc.traffic.local_only and not rec.local:
+                    continue  # internalTrafficPolicy: Local: this node's pods only
                 target = slice_ports.get(sp.name) or rec.target_port(sp.target_port)
                 if target is None:
                     continue  # a named targetPort this pod does not define: not an endpoint
                 san = rec.san(self.trust_domain)
+                ready = rec.ready or svc.traffic.publish_not_ready
                 eps.extend(
-                    Endpoint(ip, target, rec.identity, rec.ready, rec.terminating, san,
-                             rec.key, rec.local)
+                    Endpoint(ip, target, rec.identity, ready, rec.terminating, san,
+                             rec.key, rec.local, svc.traffic.publish_not_ready)
                     for ip in rec.ips
                     if not families or (6 if ":" in ip else 4) in families
                 )
@@ -446,6 +454,7 @@ class MeshModel:
             names=svc.names(self.mesh_domain),
             endpoints=endpoints,
             routes=tuple(self.routes.routes_for(key)),
+            traffic=svc.traffic,
         )
         self._views[key] = view
         return view

@@ -40,6 +40,38 @@ class ServicePort:
             object.__setattr__(self, "target_port", self.port)  # the Kubernetes default
 
 
+DEFAULT_AFFINITY_TIMEOUT_S = 10800  # Kubernetes' sessionAffinityConfig.clientIP default
+
+
+@dataclass(frozen=True)
+class TrafficPolicy:
+    """The Service fields that change which endpoint a client reaches."""
+
+    # sessionAffinity: ClientIP (the same client pod keeps its endpoint)
+    client_ip_affinity: bool = False
+    affinity_timeout_s: int = DEFAULT_AFFINITY_TIMEOUT_S
+    # internalTrafficPolicy: Local (only this node's endpoints; none: the connection fails)
+    local_only: bool = False
+    # publishNotReadyAddresses: not-ready pods are endpoints too
+    publish_not_ready: bool = False
+
+
+def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
+    """The Service spec's traffic fields; anything malformed keeps Kubernetes' default."""
+    timeout = DEFAULT_AFFINITY_TIMEOUT_S
+    cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}) \
+        if isinstance(spec.get("sessionAffinityConfig"), dict) else {}
+    raw = cfg.get("timeoutSeconds") if isinstance(cfg, dict) else None
+    if isinstance(raw, int) and 0 < raw <= 86400:
+        timeout = raw
+    return TrafficPolicy(
+        client_ip_affinity=spec.get("sessionAffinity") == "ClientIP",
+        affinity_timeout_s=timeout,
+        local_only=spec.get("internalTrafficPolicy") == "Local",
+        publish_not_ready=spec.get("publishNotReadyAddresses") is True,
+    )
+
+
 @dataclass(frozen=True)
 class Service:
     """A Kubernetes Service as the mesh sees it."""
@@ -53,10 +85,13 @@ class Service:
     headless: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # kube-proxy semantics the capture path keeps (docs/service-semantics.md)
+    traffic: TrafficPolicy = field(default_factory=TrafficPolicy)
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
 
     @property
     def ipv4(self) -> tuple[str, ...]:
@@ -144,6 +179,7 @@ def service_from_object(obj: dict[str, Any]) -> Service:
         headless=headless,
         labels=_str_map(meta.get("labels")),
         annotations=_str_map(meta.get("annotations")),
+        traffic=traffic_policy_from_spec(spec),
     )
 
 

@@ -1,0 +1,149 @@
+"""Kubernetes Service semantics on the capture path (#17): what kube-proxy would have done for
+a Service, the node Envoy does for a captured pod (docs/service-semantics.md has the table)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.testing.kubelet import Pod
+from agent.testing.netutil import http_echo_server, http_get_from
+from integration.conftest import EnvoyNode, running
+
+SVC_IP = "10.96.71.10"
+
+
+@pytest.fixture
+def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    with running(EnvoyNode(workdir, bridge_name)) as n:
+        yield n
+
+
+def _service(node: EnvoyNode, spec: dict[str, Any], name: str = "web", ip: str = SVC_IP) -> None:
+    node.agent.write(f"svc-{name}.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
+        "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": "web"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}], **spec}}])
+
+
+def _backends(node: EnvoyNode, n: int, deps: str = "app/web") -> tuple[list[Pod], Pod, list[Any]]:
+    servers = [node.pod(name=f"web-{i}", labels={"app": "web"}) for i in range(n)]
+    client = node.pod(name="client", annotations={"aether.io/dependencies": deps})
+    for p in (*servers, client):
+        node.add(p)
+    echo = [http_echo_server(p.netns, "0.0.0.0", 8080, p.name) for p in servers]
+    return servers, client, echo
+
+
+def _who(netns: str, count: int, ip: str = SVC_IP) -> Counter[str]:
+    """``count`` GETs on new connections: which pod answered each ("-" for no answer)."""
+    got = http_get_from(netns, ip, 80, count=count, timeout=3)
+    return Counter(json.loads(body)["pod"] if status == 200 else "-" for status, _h, body in got)
+
+
+def _until(pred: Any, what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+
+
+def _pod_state(node: EnvoyNode, pod: Pod, *, ready: bool, terminating: bool = False) -> None:
+    """Rewrite a local pod's object as the API would report it: its Ready condition, and a
+    deletionTimestamp once it is terminating."""
+    meta: dict[str, Any] = {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid,
+                            "labels": {"app": "web"}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    node.agent.write(f"pod-{pod.namespace}-{pod.name}.yaml", [{
+        "apiVersion": "v1", "kind": "Pod", "metadata": meta,
+        "spec": {"nodeName": "test-node", "serviceAccountName": "default"},
+        "status": {"podIP": pod.ip(), "podIPs": [{"ip": pod.ip()}], "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}])
+
+
+def test_client_ip_affinity_keeps_a_pod_on_one_endpoint(enode: EnvoyNode) -> None:
+    """sessionAffinity: ClientIP: 60 new connections from one pod all reach one endpoint;
+    the same Service without affinity spreads them."""
+    _service(enode, {"sessionAffinity": "ClientIP",
+                     "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}})
+    _service(enode, {}, name="spread", ip="10.96.71.11")
+    servers, client, echo = _backends(enode, 3, deps="app/web,app/spread")
+    try:
+        for ip in (SVC_IP, "10.96.71.11"):
+            _until(lambda ip=ip: _who(client.netns, 1, ip).get("-", 0) == 0,
+                   "the Service never answered")
+        sticky = _who(client.netns, 60)
+        assert len(sticky) == 1 and "-" not in sticky, sticky
+        spread = _who(client.netns, 60, "10.96.71.11")
+        assert len(spread) == 3 and "-" not in spread, spread
+    finally:
+        for e in echo:
+            e.shutdown()
+
+
+def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(enode: EnvoyNode) -> None:
+    """internalTrafficPolicy: Local: a remote endpoint (an address nothing answers on) is
+    never chosen; with no local endpoint left the connection fails, as without the mesh."""
+    _service(enode, {"internalTrafficPolicy": "Local"})
+    enode.agent.write("pod-remote.yaml", [{
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-remote", "namespace": "app", "uid": "u-web-remote",
+                     "labels": {"app": "web"}},
+        "spec": {"nodeName": "other-node"},
+        "status": {"podIP": "10.250.9.9", "podIPs": [{"ip": "10.250.9.9"}], "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]}}])
+    servers, client, echo = _backends(enode, 1)
+    try:
+        _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+        assert _who(client.netns, 30) == Counter({"web-0": 30})
+        # the local pod stops being ready: nothing local left, the call fails
+        _pod_state(enode, servers[0], ready=False)
+        _until(lambda: _who(client.netns, 3) == Counter({"-": 3}),
+               "a Local Service with no ready local endpoint still answered")
+    finally:
+        for e in echo:
+            e.shutdown()
+
+
+def test_terminating_endpoints_serve_only_when_no_ready_one_is_left(enode: EnvoyNode) -> None:
+    """A terminating pod that still serves gets no traffic while a ready endpoint exists,
+    and all of it once none does (kube-proxy's fallback); not serving, it gets none."""
+    _service(enode, {})
+    servers, client, echo = _backends(enode, 2)
+    a, b = servers
+    try:
+        _until(lambda: set(_who(client.netns, 10)) == {"web-0", "web-1"}, "both never answered")
+        _pod_state(enode, b, ready=True, terminating=True)
+        _until(lambda: _who(client.netns, 20) == Counter({"web-0": 20}),
+               "a terminating endpoint still got traffic beside a ready one")
+        _pod_state(enode, a, ready=False)
+        _until(lambda: _who(client.netns, 20) == Counter({"web-1": 20}),
+               "the serving terminating endpoint did not take over")
+        _pod_state(enode, b, ready=False, terminating=True)
+        _until(lambda: _who(client.netns, 3) == Counter({"-": 3}),
+               "an endpoint neither ready nor serving got traffic")
+    finally:
+        for e in echo:
+            e.shutdown()
+
+
+def test_publish_not_ready_addresses_makes_not_ready_pods_endpoints(enode: EnvoyNode) -> None:
+    _service(enode, {"publishNotReadyAddresses": True})
+    servers, client, echo = _backends(enode, 1)
+    try:
+        _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+        _pod_state(enode, servers[0], ready=False)
+        time.sleep(2)  # the change has reached Envoy by now, and must not have mattered
+        assert _who(client.netns, 10) == Counter({"web-0": 10})
+    finally:
+        for e in echo:
+            e.shutdown()
