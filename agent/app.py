@@ -298,7 +298,8 @@ class Agent:
 
         def compute() -> list[Any]:
             # the same tables the proxy is given: status says what the data plane does
-            result = build_tables(mesh.owned_routes(), mesh.model.services.get)
+            result = build_tables(mesh.owned_routes(), mesh.model.services.get,
+                                  reference_grants=objects.of_kind("ReferenceGrant"))
             return adopt_records(result.statuses, objects, ctrl)
 
         self.gamma_status = StatusLoop(

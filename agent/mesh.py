@@ -106,6 +106,11 @@ class MeshRuntime:
     def _on_event(self, event: WatchEvent) -> None:
         if event.kind == "EndpointSlice" and is_projected(event.obj):
             return  # our own projection: output only, never registry input (feedback loop)
+        if event.kind == "ReferenceGrant":
+            # grants gate cross-namespace backendRefs (compute_gamma reads them from the
+            # store): a grant given or taken back changes the tables, no restart needed
+            self._changed()
+            return
         try:
             if self.model.apply(event):
                 self._changed()
@@ -181,7 +186,8 @@ class MeshRuntime:
         return out
 
     def compute_gamma(self) -> Any:
-        result = build_tables(self.owned_routes(), self.model.services.get)
+        result = build_tables(self.owned_routes(), self.model.services.get,
+                              reference_grants=self.objects.of_kind("ReferenceGrant"))
         old = self.gamma
         if old is not None and old.tables == result.tables:
             old.statuses, old.conflicts = result.statuses, result.conflicts

@@ -166,6 +166,17 @@ def route(name: str, parents: dict[str, Any] | list[dict[str, Any]], rules: list
                      "rules": rules}}
 
 
+def grant(from_ns: str, to_ns: str = PRODUCER_NS, kind: str = "HTTPRoute",
+          name: str | None = None) -> dict[str, Any]:
+    """A ReferenceGrant in ``to_ns`` letting ``kind`` routes of ``from_ns`` reference its
+    Services (Gateway API: a cross-namespace backendRef needs one)."""
+    return {"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
+            "metadata": {"name": name or f"from-{from_ns}", "namespace": to_ns},
+            "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": kind,
+                               "namespace": from_ns}],
+                     "to": [{"group": "", "kind": "Service"}]}}
+
+
 # ---- backends ------------------------------------------------------------------------------
 
 

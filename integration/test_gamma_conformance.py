@@ -32,6 +32,7 @@ from integration.gamma_harness import (
     Svc,
     SvcPort,
     backend,
+    grant,
     mark,
     parent,
     path,
@@ -659,7 +660,8 @@ def test_consumer_route_vs_producer_route(g: GammaNode) -> None:
                         [rule(backend("echo-v2"), filters=[mark("producer")])]),
                   route("consumer", parent("t-consumer", port=ALT_PORT, namespace=PRODUCER_NS),
                         [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
-                        namespace=CONSUMER_NS)):
+                        namespace=CONSUMER_NS),
+                  grant(CONSUMER_NS)):  # its backendRef crosses into the producer's namespace
         g.converge(_marked("consumer", V3), "consumer client on 8081 gets the consumer route",
                    "t-consumer", client="consumer/client", port=ALT_PORT, samples=3)
         for client, port, want, who in (
@@ -679,7 +681,8 @@ def test_consumer_route_on_all_ports(g: GammaNode) -> None:
                         [rule(backend("echo-v2"), filters=[mark("producer")])]),
                   route("consumer", parent("t-consumer", port=None, namespace=PRODUCER_NS),
                         [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
-                        namespace=CONSUMER_NS)):
+                        namespace=CONSUMER_NS),
+                  grant(CONSUMER_NS)):  # its backendRef crosses into the producer's namespace
         g.converge(_marked("consumer", V3), "consumer client gets the consumer route",
                    "t-consumer", client="consumer/client", samples=3)
         g.converge(_marked("producer", V2), "producer client keeps the producer route",
@@ -689,6 +692,29 @@ def test_consumer_route_on_all_ports(g: GammaNode) -> None:
             assert a.route_mark == "consumer", a.brief()
             a = g.one("t-consumer", "/", client="gamma/client", port=port)
             assert a.route_mark == "producer", a.brief()
+
+
+def test_cross_namespace_backend_needs_a_reference_grant(g: GammaNode) -> None:
+    """A consumer route whose backendRef is in another namespace, without a ReferenceGrant
+    there: the requests it would send answer 500 and the route says ResolvedRefs=False
+    (RefNotPermitted); the grant, once written, fixes both without a restart."""
+    consumer = route("nogrant", parent("t-consumer", port=None, namespace=PRODUCER_NS),
+                     [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
+                     namespace=CONSUMER_NS)
+    with g.routes("nogrant", consumer):
+        g.converge(lambda a: a.status == 500, "the ungranted backendRef answers 500",
+                   "t-consumer", client="consumer/client", samples=3)
+        problems = g.agent.status()["mesh"]["route_problems"]
+        assert any("ResolvedRefs=False RefNotPermitted" in p and "nogrant" in p
+                   for p in problems), problems
+        g.write("grant-nogrant", [grant(CONSUMER_NS)])
+        try:
+            g.converge(_marked("consumer", V3), "the grant lets the route through",
+                       "t-consumer", client="consumer/client", samples=3)
+            problems = g.agent.status()["mesh"]["route_problems"]
+            assert not any("nogrant" in p for p in problems), problems
+        finally:
+            g.remove("grant-nogrant")
 
 
 def test_port_scoped_parent(g: GammaNode) -> None:
