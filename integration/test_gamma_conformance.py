@@ -52,6 +52,7 @@ OWNER_KEY = "aether.io/mesh-controller"
 # One Service per test (identity route → echo-v1-0 unless said otherwise).
 TARGETS = [
     Svc("t-identity", VERSIONS),
+    Svc("t-named", VERSIONS),
     Svc("t-podip"),
     Svc("t-path-exact"), Svc("t-path-prefix"), Svc("t-path-regex"),
     Svc("t-hdr-exact"), Svc("t-hdr-regex"), Svc("t-query-exact"), Svc("t-query-regex"),
@@ -715,6 +716,40 @@ def test_cross_namespace_backend_needs_a_reference_grant(g: GammaNode) -> None:
             assert not any("nogrant" in p for p in problems), problems
         finally:
             g.remove("grant-nogrant")
+
+
+def test_named_route_rule(g: GammaNode) -> None:
+    """Rules with a `name` (HTTPRouteNamedRouteRule) are accepted and routed, and the name
+    is what Envoy calls the route (it shows in access logs and config dumps)."""
+    with g.routes("named", route("named", parent("t-named"), [
+            rule(backend("echo-v2"), matches=[path("PathPrefix", "/two")], filters=[mark("two")],
+                 name="to-two"),
+            rule(backend("echo-v3"), filters=[mark("rest")], name="the-rest")])):
+        g.converge(_marked("two", V2), "the named rule /two routes", "t-named", "/two", samples=3)
+        assert g.one("t-named", "/other").route_mark == "rest"
+        names = {r.get("name", "") for vh in _virtual_hosts(g.config_dump(), "named")
+                 for r in vh.get("routes", [])}
+        assert any(n.endswith("|to-two|0") for n in names), names
+        assert any(n.endswith("|the-rest|0") for n in names), names
+
+
+def _virtual_hosts(dump: Any, route_name: str) -> list[dict[str, Any]]:
+    """The virtual hosts of every inline route configuration naming ``route_name``."""
+    found: list[dict[str, Any]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "virtual_hosts" in node and route_name in str(node):
+                found.extend(node["virtual_hosts"])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(dump)
+    return found
 
 
 def test_port_scoped_parent(g: GammaNode) -> None:
