@@ -147,3 +147,38 @@ def test_publish_not_ready_addresses_makes_not_ready_pods_endpoints(enode: Envoy
     finally:
         for e in echo:
             e.shutdown()
+
+
+def test_a_named_target_port_resolves_per_pod_and_each_port_is_its_own(enode: EnvoyNode) -> None:
+    """targetPort "web" is 8080 in one pod and 8081 in the other: each pod is reached on
+    its own number; the Service's second port (81 → 9000) reaches 9000 on both."""
+    enode.agent.write("svc-web.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": "web"},
+                           {"name": "admin", "port": 81, "targetPort": 9000}]}}])
+    servers = [enode.pod(name=f"web-{i}", labels={"app": "web"}) for i in range(2)]
+    client = enode.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
+    for p in (*servers, client):
+        enode.add(p)
+    for i, p in enumerate(servers):
+        enode.agent.write(f"pod-{p.namespace}-{p.name}.yaml", [{
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid,
+                         "labels": {"app": "web"}},
+            "spec": {"nodeName": "test-node", "containers": [
+                {"name": "app", "ports": [{"name": "web", "containerPort": 8080 + i}]}]},
+            "status": {"podIP": p.ip(), "podIPs": [{"ip": p.ip()}], "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}])
+    # each pod serves on its own named port only (and on 9000, the admin port)
+    echo = [http_echo_server(p.netns, "0.0.0.0", 8080 + i, p.name) for i, p in enumerate(servers)]
+    echo += [http_echo_server(p.netns, "0.0.0.0", 9000, f"{p.name}-admin") for p in servers]
+    try:
+        _until(lambda: set(_who(client.netns, 12)) == {"web-0", "web-1"},
+               "the named targetPort did not reach both pods on their own numbers")
+        got = http_get_from(client.netns, SVC_IP, 81, count=12, timeout=3)
+        admin = Counter(json.loads(b)["pod"] if s == 200 else "-" for s, _h, b in got)
+        assert set(admin) == {"web-0-admin", "web-1-admin"}, admin
+    finally:
+        for e in echo:
+            e.shutdown()
