@@ -49,6 +49,12 @@ def run(
     envoy_admin_port: Annotated[int | None, typer.Option(help="Serve Envoy's admin on this TCP port of 127.0.0.1 (any local user can reach it). Default: none, a root-only unix socket <run-dir>/envoy/admin.sock.")] = None,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every passthrough connection Envoy proxies (listener, source, destination, bytes, duration) in the agent log. Off by default: it costs more per connection than proxying it.")] = False,
     listener_timeout: Annotated[float, typer.Option(help="Seconds ADD waits for Envoy's ACK.")] = 10.0,
+    outlier_consecutive_failures: Annotated[int, typer.Option(help="Eject a Service endpoint after this many consecutive failures (5xx, refused or timed-out connects); 0: no outlier detection.")] = 5,
+    outlier_ejection_seconds: Annotated[float, typer.Option(help="How long an ejected endpoint stays out (longer each time it is ejected again).")] = 30.0,
+    outlier_max_ejection_percent: Annotated[int, typer.Option(help="Never eject more than this share of a Service's endpoints.")] = 50,
+    connect_attempts: Annotated[int, typer.Option(help="Attempts to connect a Service connection, each to another endpoint when the last was refused or timed out (1: no retry, as kube-proxy).")] = 2,
+    max_connections_per_service: Annotated[int, typer.Option(help="Connections (and pending/concurrent requests) per Service port through this node's proxy; 0: no limit.")] = 0,
+    retry_budget_percent: Annotated[float, typer.Option(help="Retries a GAMMA route asks for may add at most this percentage of requests.")] = 20.0,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
@@ -123,11 +129,23 @@ def run(
             raise typer.BadParameter(str(e)) from e
         identity = IdentityManager(provider, trust_domain)
     if envoy:
+        from agent.envoy.resources import Resilience
         from agent.envoy.sink import EnvoySink
+        if outlier_consecutive_failures < 0 or connect_attempts < 1 \
+                or max_connections_per_service < 0 or not 0 <= outlier_max_ejection_percent <= 100 \
+                or outlier_ejection_seconds <= 0 or not 0 <= retry_budget_percent <= 100:
+            raise typer.BadParameter(
+                "resilience flags: failures ≥ 0, ejection seconds > 0, percentages 0-100, "
+                "connect attempts ≥ 1, connections ≥ 0")
+        resilience = Resilience(
+            outlier_failures=outlier_consecutive_failures, ejection_s=outlier_ejection_seconds,
+            max_ejection_percent=outlier_max_ejection_percent, connect_attempts=connect_attempts,
+            max_connections=max_connections_per_service, retry_budget_percent=retry_budget_percent)
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,
-                         cgroup=proxy.directory if proxy.ok else None, identity=identity)
+                         cgroup=proxy.directory if proxy.ok else None, identity=identity,
+                         resilience=resilience)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):

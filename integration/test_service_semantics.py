@@ -182,3 +182,41 @@ def test_a_named_target_port_resolves_per_pod_and_each_port_is_its_own(enode: En
     finally:
         for e in echo:
             e.shutdown()
+
+
+def _dead_and_alive(node: EnvoyNode) -> tuple[Pod, Any]:
+    """Service web over web-0 (serving) and web-1 (a pod with nothing on the port: every
+    connect is refused). Returns the client and web-0's server."""
+    _service(node, {})
+    servers = [node.pod(name=f"web-{i}", labels={"app": "web"}) for i in range(2)]
+    client = node.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
+    for p in (*servers, client):
+        node.add(p)
+    return client, http_echo_server(servers[0].netns, "0.0.0.0", 8080, "web-0")
+
+
+def test_a_refused_connect_is_retried_elsewhere_and_the_endpoint_ejected(enode: EnvoyNode) -> None:
+    """The defaults: a connect refused by one endpoint is tried on another (2 attempts),
+    and after 5 consecutive failures that endpoint is ejected for 30 s."""
+    client, srv = _dead_and_alive(enode)
+    try:
+        _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+        assert _who(client.netns, 40) == Counter({"web-0": 40})
+        stat = "cluster.svc|app|web|80.outlier_detection.ejections_active"
+        _until(lambda: enode.stat(stat) == 1, "the refusing endpoint was never ejected")
+    finally:
+        srv.shutdown()
+
+
+def test_without_retries_and_ejection_the_dead_endpoint_shows(workdir: str, bridge_name: str) -> None:
+    """`--connect-attempts 1 --outlier-consecutive-failures 0` is kube-proxy's behaviour:
+    about half the connections reach the dead endpoint and fail."""
+    with running(EnvoyNode(workdir, bridge_name, extra=[
+            "--connect-attempts", "1", "--outlier-consecutive-failures", "0"])) as node:
+        client, srv = _dead_and_alive(node)
+        try:
+            _until(lambda: _who(client.netns, 4).get("web-0", 0) > 0, "the Service never answered")
+            got = _who(client.netns, 40)
+            assert got["-"] >= 5 and got["web-0"] >= 5, got
+        finally:
+            srv.shutdown()

@@ -130,7 +130,9 @@ def test_pod_listener_size_does_not_depend_on_services() -> None:
 
 def test_namespace_listener_bytes_equal_the_proto() -> None:
     view = _view()
-    chains = [chain_for(view, p) for p in view.ports]
+    from agent.envoy.resources import Resilience
+    chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts)
+              for p in view.ports]
     raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"]
     proto = build_namespace_listener("default", chains)
     assert raw.message() == proto
@@ -399,7 +401,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str | None] = []
 
     def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None) -> Any:
+              gamma: Any = None, connect_attempts: int = 1) -> Any:
         calls.append(caller_ns)
         c = r.service_chain(view, port)
         c.name = f"{c.name}|{caller_ns}"
@@ -507,3 +509,25 @@ def test_client_ip_affinity_hashes_the_callers_address_with_maglev() -> None:
         tcp = tcp_proxy_pb2.TcpProxy()
         chain.filters[0].typed_config.Unpack(tcp)
         assert [h.HasField("source_ip") for h in tcp.hash_policy] == ([True] if hashed else [])
+
+
+def test_resilience_defaults_and_switches() -> None:
+    from agent.envoy.resources import Resilience, build_service_cluster, service_chain
+    view = _view()
+    c = build_service_cluster(view, 80, 1.0)
+    od = c.outlier_detection
+    assert od.consecutive_5xx.value == 5 and od.base_ejection_time.seconds == 30
+    assert od.max_ejection_percent.value == 50 and od.enforcing_success_rate.value == 0
+    (t,) = c.circuit_breakers.thresholds
+    assert t.max_connections.value == 0xFFFFFFFF  # not Envoy's 1024
+    assert t.retry_budget.budget_percent.value == 20.0
+    off = build_service_cluster(view, 80, 1.0, resilience=Resilience(
+        outlier_failures=0, max_connections=500))
+    assert not off.HasField("outlier_detection")
+    assert off.circuit_breakers.thresholds[0].max_pending_requests.value == 500
+    # the mTLS-tunnel variant keeps one thresholds entry (Envoy wants one per priority)
+    assert len(build_service_cluster(view, 80, 1.0, tunnel=True).circuit_breakers.thresholds) == 1
+    for attempts, want in ((2, 2), (1, 0)):
+        tcp = tcp_proxy_pb2.TcpProxy()
+        service_chain(view, view.ports[0], attempts).filters[0].typed_config.Unpack(tcp)
+        assert tcp.max_connect_attempts.value == want

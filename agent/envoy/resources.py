@@ -174,6 +174,28 @@ class PodListener:
 
 
 @dataclass(frozen=True)
+class Resilience:
+    """What protects callers from a bad endpoint, per Service port cluster (``aether-agent
+    run`` flags). kube-proxy has none of it; these are the defaults a platform team expects
+    from a mesh, each one switchable off."""
+
+    # passive outlier detection: this many consecutive failures (5xx, refused or timed-out
+    # connects) eject an endpoint for ``ejection_s`` (longer each time); 0: off
+    outlier_failures: int = 5
+    ejection_s: float = 30.0
+    # never eject more than this share of a Service's endpoints at once
+    max_ejection_percent: int = 50
+    # tcp_proxy: a refused or timed-out connect is tried again on another endpoint, this
+    # many attempts in all (1: no retry, as kube-proxy)
+    connect_attempts: int = 2
+    # connections (and pending / concurrent requests) per Service port cluster; 0: no limit
+    # (Envoy's default of 1024 is far too few for a node proxy every pod shares)
+    max_connections: int = 0
+    # retries (where a GAMMA route asks for them) may add at most this share of requests
+    retry_budget_percent: float = 20.0
+
+
+@dataclass(frozen=True)
 class NodeXdsState:
     """Everything the xDS builder needs; frozen so it can be shared across threads."""
 
@@ -201,6 +223,7 @@ class NodeXdsState:
     # pod's inbound port, every captured pod gets its inbound listeners. None:
     # no identity provider, Service traffic goes to the endpoints in plaintext.
     mesh_tls: MeshTls | None = None
+    resilience: Resilience = Resilience()
 
 
 def service_cluster_name(namespace: str, name: str, port: int) -> str:
@@ -320,7 +343,8 @@ def _cidr(ip: str) -> address_pb2.CidrRange | None:
     return cidr
 
 
-def service_chain(view: ServiceView, port: ServicePort) -> listener_components_pb2.FilterChain:
+def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1
+                  ) -> listener_components_pb2.FilterChain:
     """Plain TCP chain for one Service port: ClusterIPs (/32, /128) + port -> its EDS cluster.
 
     Matched on the original destination. The GAMMA work swaps in an HTTP variant (same
@@ -331,11 +355,12 @@ def service_chain(view: ServiceView, port: ServicePort) -> listener_components_p
         prefix_ranges=[c for c in map(_cidr, view.cluster_ips) if c is not None],
     )
     match.destination_port.value = port.port
-    tcp = None
+    tcp = tcp_proxy_pb2.TcpProxy()
+    if connect_attempts > 1:
+        tcp.max_connect_attempts.value = connect_attempts  # the next try: another endpoint
     if view.traffic.client_ip_affinity:
         # sessionAffinity: ClientIP: the cluster hashes (Maglev) on the caller pod's address,
         # restored on the namespace listener, so one pod keeps its endpoint across connections
-        tcp = tcp_proxy_pb2.TcpProxy()
         tcp.hash_policy.add().source_ip.SetInParent()
     return listener_components_pb2.FilterChain(
         name=cluster,
@@ -360,12 +385,8 @@ def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = No
     return gamma is not None and bool(gamma.consumer_namespaces(view.key, port.port))
 
 
-def _tcp_chain(view: ServiceView, port: ServicePort) -> listener_components_pb2.FilterChain:
-    return service_chain(view, port)
-
-
 def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None) -> ChainResult:
+              gamma: Any = None, connect_attempts: int = 1) -> ChainResult:
     """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
     attach to this Service port (by appProtocol; http_inspector detection when unset).
 
@@ -375,12 +396,15 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     """
     from agent.envoy.http_routes import balances_per_request, service_port_chains
 
+    def tcp_chain(v: ServiceView, p: ServicePort) -> listener_components_pb2.FilterChain:
+        return service_chain(v, p, connect_attempts)
+
     if gamma is None and not balances_per_request(port):
-        return service_chain(view, port)
+        return tcp_chain(view, port)
     table = (None if gamma is None
              else gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
              else gamma.tables.get((view.key, port.port, None)))
-    return service_port_chains(view, port, table, tcp_chain=_tcp_chain,
+    return service_port_chains(view, port, table, tcp_chain=tcp_chain,
                                cluster_name=service_cluster_name,
                                access_log=(http_failure_access_log(),))
 
@@ -405,7 +429,8 @@ def detect_ports(gamma: Any, services: Sequence[ServiceView]) -> tuple[int, ...]
 
 
 def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float,
-                          mark: int = PASSTHROUGH_MARK, tunnel: bool = False) -> cluster_pb2.Cluster:
+                          mark: int = PASSTHROUGH_MARK, tunnel: bool = False,
+                          resilience: Resilience = Resilience()) -> cluster_pb2.Cluster:
     """EDS cluster over ADS. Panic mode is off so DRAINING/UNHEALTHY hosts never get
     new connections even when most hosts are out (Kubernetes readiness semantics). It also
     carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
@@ -430,9 +455,9 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
         ),
         connection_pool_per_downstream_connection=True,
     )
+    apply_resilience(cluster, resilience)
     if tunnel:
         cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
-        mtls.unlimited_circuit_breakers(cluster)  # its hosts are tunnels, one per connection
     else:
         cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
@@ -447,6 +472,26 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
         upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
     return cluster
+
+
+def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience) -> None:
+    """Outlier detection, connection limits and the retry budget on a Service cluster."""
+    t = cluster.circuit_breakers.thresholds.add()
+    limit = r.max_connections if r.max_connections > 0 else mtls.UNLIMITED
+    for f in ("max_connections", "max_pending_requests", "max_requests"):
+        getattr(t, f).value = limit
+    t.retry_budget.budget_percent.value = r.retry_budget_percent
+    t.retry_budget.min_retry_concurrency.value = 3
+    if r.outlier_failures > 0:
+        od = cluster.outlier_detection
+        # a refused or timed-out connect counts as a 5xx (local-origin errors are not split)
+        od.consecutive_5xx.value = r.outlier_failures
+        od.consecutive_gateway_failure.value = r.outlier_failures
+        od.enforcing_consecutive_gateway_failure.value = 100
+        od.interval.CopyFrom(duration(5.0))
+        od.base_ejection_time.CopyFrom(duration(r.ejection_s))
+        od.max_ejection_percent.value = r.max_ejection_percent
+        od.enforcing_success_rate.value = 0  # only consecutive failures eject
 
 
 def endpoint_health(ep: Endpoint) -> int:
@@ -760,8 +805,9 @@ class _ServiceTables:
     """The outcome of one pass over the Services (reused while they are the same objects)."""
 
     views: tuple[ServiceView, ...]
-    # (connect timeout, passthrough mark, tunnel): what every Service cluster is built with
-    timeout: tuple[float, int, bool]
+    # (connect timeout, passthrough mark, tunnel, resilience): what every Service cluster is
+    # built with
+    timeout: tuple[float, int, bool, Resilience]
     clusters: dict[str, Message]
     assignments: dict[str, Message]
     # (entry, port, shared chain bytes or None) in table order, clash-free
@@ -811,14 +857,17 @@ class ResourceBuilder:
 
     # ---- Services ------------------------------------------------------------------------
 
-    def _service(self, view: ServiceView, timeout: tuple[float, int, bool]) -> _ServiceEntry:
+    def _service(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience]
+                 ) -> _ServiceEntry:
         old = self._services.get(view.key)
         sig = gamma_signature(self._gamma, view.key)
         if old is not None and old.view is view and old.cluster_key[-1] == timeout \
                 and old.chain_key[-1] == sig:
             return old
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
-        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic, sig)
+        attempts = timeout[3].connect_attempts
+        chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic,
+                     attempts, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -829,7 +878,8 @@ class ResourceBuilder:
             for p in tcp_ports if cidrs else ():
                 claims = tuple((c.address_prefix, p.port) for c in cidrs)
                 shared = (None if chain_varies_by_caller(view, p, self._gamma)
-                          else encode_chains(_as_chains(chain_for(view, p, None, self._gamma))))
+                          else encode_chains(_as_chains(chain_for(view, p, None, self._gamma,
+                                                                  attempts))))
                 rows.append((p, claims, shared))
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
@@ -855,7 +905,8 @@ class ResourceBuilder:
 
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
-        opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None)
+        opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None,
+                state.resilience)
         if old is not None and old.timeout == opts \
                 and _same(old.views, state.services) and old.gamma is state.gamma:
             return old
@@ -908,7 +959,8 @@ class ResourceBuilder:
                 got = mine.get(port.port)
                 if got is None:
                     got = mine[port.port] = encode_chains(
-                        _as_chains(chain_for(entry.view, port, ns, self._gamma)))
+                        _as_chains(chain_for(entry.view, port, ns, self._gamma,
+                                             entry.cluster_key[-1][3].connect_attempts)))
                 chains = got
             out.append(chains)
         table = b"".join(out)

@@ -26,7 +26,7 @@ from agent.envoy.listener_view import (
     listener_state,
     nack_names,
 )
-from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener
+from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener, Resilience
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
@@ -67,8 +67,11 @@ class EnvoySink:
     def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int | None = None,
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
                  hang_timeout: float = 15.0, cgroup: str | None = None,
-                 access_log: bool = False, identity: IdentityManager | None = None) -> None:
+                 access_log: bool = False, identity: IdentityManager | None = None,
+                 resilience: Resilience | None = None) -> None:
         self.access_log = access_log  # a stdout line per passthrough connection
+        # outlier detection, connect retries, limits on every Service cluster
+        self.resilience = resilience or Resilience()
         # the SVIDs of this node's identities (mTLS mesh hop); None: plaintext mesh
         self.identity = identity
         self.hang_timeout = hang_timeout
@@ -340,7 +343,8 @@ class EnvoySink:
                              passthrough_mark=self.node.passthrough_mark,
                              services=self._services, gamma=self._gamma,
                              connection_log=self.access_log, learn_targets=self._learnable,
-                             mesh_tls=self.identity.mesh_tls() if self.identity else None)
+                             mesh_tls=self.identity.mesh_tls() if self.identity else None,
+                             resilience=self.resilience)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
