@@ -4,6 +4,7 @@ a Service, the node Envoy does for a captured pod (docs/service-semantics.md has
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -220,3 +221,40 @@ def test_without_retries_and_ejection_the_dead_endpoint_shows(workdir: str, brid
             assert got["-"] >= 5 and got["web-0"] >= 5, got
         finally:
             srv.shutdown()
+
+
+def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
+                                                               bridge_name: str) -> None:
+    """trafficDistribution: PreferSameZone: with this node in zone-a, the endpoint in zone-a
+    (a pod here) takes every connection and the one in zone-b (a pod of far-node, served
+    from the node's bridge address) none; once zone-a has no ready endpoint, zone-b takes
+    over. Without trafficDistribution both are used."""
+    from integration.conftest import GW4
+    with running(EnvoyNode(workdir, bridge_name)) as node:
+        node.agent.write("nodes.yaml", [
+            {"apiVersion": "v1", "kind": "Node",
+             "metadata": {"name": n, "labels": {"topology.kubernetes.io/zone": z}}}
+            for n, z in (("test-node", "zone-a"), ("far-node", "zone-b"))])
+        _service(node, {"trafficDistribution": "PreferSameZone"})
+        _service(node, {}, name="flat", ip="10.96.71.11")
+        node.agent.write("pod-far.yaml", [{
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-far", "namespace": "app", "uid": "u-web-far",
+                         "labels": {"app": "web"}},
+            "spec": {"nodeName": "far-node"},
+            "status": {"podIP": GW4, "podIPs": [{"ip": GW4}], "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}])
+        servers, client, echo = _backends(node, 1, deps="app/web,app/flat")
+        far = http_echo_server(f"/proc/{os.getpid()}/ns/net", GW4, 8080, "web-far")
+        try:
+            _until(lambda: set(_who(client.netns, 12, "10.96.71.11")) == {"web-0", "web-far"},
+                   "the Service without trafficDistribution did not use both zones")
+            _until(lambda: _who(client.netns, 20) == Counter({"web-0": 20}),
+                   "PreferSameZone still sent connections to the other zone")
+            _pod_state(node, servers[0], ready=False)
+            _until(lambda: _who(client.netns, 10) == Counter({"web-far": 10}),
+                   "no fallback to the other zone when this one had no ready endpoint")
+        finally:
+            far.shutdown()
+            for e in echo:
+                e.shutdown()

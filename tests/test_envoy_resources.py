@@ -531,3 +531,14 @@ def test_resilience_defaults_and_switches() -> None:
         tcp = tcp_proxy_pb2.TcpProxy()
         service_chain(view, view.ports[0], attempts).filters[0].typed_config.Unpack(tcp)
         assert tcp.max_connect_attempts.value == want
+
+
+def test_preferred_endpoints_come_first_within_each_readiness_tier() -> None:
+    near, far = _ep("10.1.0.5"), replace(_ep("10.1.0.6"), preferred=False)
+    near_t = replace(_ep("10.1.0.7", draining=True))
+    cla = build_resources(_svc_state(_view(eps={80: (near, far, near_t)})))[ENDPOINT_TYPE][
+        "svc|mesh|web|80"]
+    groups = [[lb.endpoint.address.socket_address.address for lb in g.lb_endpoints]
+              for g in sorted(cla.endpoints, key=lambda g: g.priority)]
+    assert groups == [["10.1.0.5"], ["10.1.0.6"], ["10.1.0.7"]]
+    assert [g.priority for g in cla.endpoints] == [0, 1, 2]

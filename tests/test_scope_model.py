@@ -476,3 +476,31 @@ def test_namespace_change_is_applied_in_chunks_with_the_lock_free_between(clock:
     assert len(pauses) == 3 and all(free)  # 4 chunks, a pause (lock free) between each
     assert chunked.is_in_mesh("big/web") and len(chunked.registry.members("big/web")) == n
     assert len(one.registry.members("big/web")) == n
+
+
+def _node(name: str, zone: str | None) -> dict[str, Any]:
+    labels = {"topology.kubernetes.io/zone": zone} if zone else {}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+
+
+def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -> None:
+    """PreferSameZone: endpoints on nodes of this node's zone are preferred; a zone label
+    change re-evaluates the Service; PreferSameNode prefers this node's pods only."""
+    s = svc("web", selector={"app": "web"})
+    s["spec"]["trafficDistribution"] = "PreferSameZone"
+    add(model, ns("apps"), _node(NODE, "z1"), _node("node-b", "z1"), _node("node-c", "z2"), s,
+        pod("w-b", ips=("10.0.1.2",), node="node-b", labels={"app": "web"}),
+        pod("w-c", ips=("10.0.1.3",), node="node-c", labels={"app": "web"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
+
+    def preferred() -> dict[str, bool]:
+        [view] = model.in_scope_services()
+        return {e.ip: e.preferred for e in view.endpoints[80]}
+
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": False}
+    assert add(model, _node("node-c", "z1")) == {"apps/web"}
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}
+    assert add(model, _node("node-c", "z1")) == set()  # unchanged zone: nothing to redo
+    s["spec"]["trafficDistribution"] = "PreferSameNode"
+    add(model, s)
+    assert preferred() == {"10.0.1.2": False, "10.0.1.3": False}

@@ -505,10 +505,13 @@ def endpoint_health(ep: Endpoint) -> int:
 
 
 def endpoint_priority(ep: Endpoint) -> int:
-    """0 for endpoints that are not terminating (or published regardless), 1 for terminating
-    ones: as kube-proxy does, a terminating endpoint that still serves gets traffic only
-    when no ready endpoint is left."""
-    return 0 if ep.always_ready or not ep.draining else 1
+    """Not terminating (or published regardless) before terminating: as kube-proxy does, a
+    terminating endpoint that still serves gets traffic only when no ready endpoint is left.
+    Within each, the endpoints trafficDistribution prefers (this zone / this node) before
+    the others, which take over when no preferred one is left. Compressed to contiguous
+    priorities by ``build_load_assignment``."""
+    terminating = 0 if ep.always_ready or not ep.draining else 1
+    return 2 * terminating + (0 if ep.preferred else 1)
 
 
 # Envoy spills a priority's load to the next one as its healthy share drops below
@@ -539,8 +542,8 @@ def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.
 
 def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
                           tunnel: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
-    """Endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts), in priority
-    0 (not terminating) and, when there are any, priority 1 (terminating)."""
+    """Endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts), one
+    priority per tier of ``endpoint_priority`` that has endpoints, contiguous from 0."""
     seen: set[tuple[str, int]] = set()
     lbs = []
     for ep in sorted(endpoints, key=lambda e: (e.ip, e.port, e.draining, not e.ready)):

@@ -21,6 +21,7 @@ from agent.scope.registry import PodRecord, Registry
 from agent.scope.routes import ROUTE_KINDS, Route, RouteCatalog, route_from_object
 from agent.scope.services import (
     DEFAULT_MESH_DOMAIN,
+    ZONE_LABEL,
     Service,
     ServiceCatalog,
     ServicePort,
@@ -47,6 +48,8 @@ class Endpoint:
     # publishNotReadyAddresses: ready whatever the pod says, terminating or not (as the
     # EndpointSlice controller publishes it)
     always_ready: bool = False
+    # trafficDistribution: in the caller's zone / on its node (first priority of its tier)
+    preferred: bool = True
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class MeshModel:
         self._scope: set[str] = set()
         self._scope_dirty = False
         self._views: dict[str, ServiceView] = {}
+        # node name → its topology.kubernetes.io/zone (trafficDistribution: PreferSameZone)
+        self._zones: dict[str, str] = {}
         # Set by a long-running owner that reads the scope on a debounce (MeshRuntime): scope
         # recomputation then happens once per read instead of once per event.
         self.defer_scope = False
@@ -296,6 +301,8 @@ class MeshModel:
             return self._apply_service(ns, name, None if deleted else service_from_object(obj))
         if kind == "EndpointSlice":
             return self._apply_slice(ns, name, None if deleted else obj)
+        if kind == "Node":
+            return self._apply_node(name, None if deleted else obj)
         if kind in ROUTE_KINDS:
             if deleted:
                 targets = self.routes.remove(kind, ns, name)
@@ -305,6 +312,30 @@ class MeshModel:
                 self._scope_dirty = True  # backendRefs (the closure) may have changed
             return targets
         return set()
+
+    def _apply_node(self, name: str, obj: dict[str, Any] | None) -> set[str]:
+        """A node's zone changed: every Service preferring its zone recomputes."""
+        labels = ((obj or {}).get("metadata") or {}).get("labels") or {}
+        zone = str(labels.get(ZONE_LABEL) or "")
+        if self._zones.get(name, "") == zone:
+            return set()
+        if zone:
+            self._zones[name] = zone
+        else:
+            self._zones.pop(name, None)
+        keys = self.services.keys()
+        return {k for k in keys
+                if (svc := self.services.get(k)) is not None and svc.traffic.prefer == "zone"}
+
+    def _preferred(self, svc: Service, rec: Any) -> bool:
+        """Whether trafficDistribution prefers this endpoint for callers on this node. A
+        zone preference with this node's zone unknown prefers nothing (no fallback needed)."""
+        if svc.traffic.prefer == "node":
+            return bool(rec.local)
+        if svc.traffic.prefer == "zone":
+            mine = self._zones.get(self.node_name, "")
+            return not mine or self._zones.get(rec.node_name or "", "") == mine
+        return True
 
     def _apply_service(self, ns: str, name: str, svc: Service | None) -> set[str]:
         key = f"{ns}/{name}"
@@ -438,9 +469,10 @@ class MeshModel:
                     continue  # a named targetPort this pod does not define: not an endpoint
                 san = rec.san(self.trust_domain)
                 ready = rec.ready or svc.traffic.publish_not_ready
+                preferred = self._preferred(svc, rec)
                 eps.extend(
                     Endpoint(ip, target, rec.identity, ready, rec.terminating, san,
-                             rec.key, rec.local, svc.traffic.publish_not_ready)
+                             rec.key, rec.local, svc.traffic.publish_not_ready, preferred)
                     for ip in rec.ips
                     if not families or (6 if ":" in ip else 4) in families
                 )

@@ -54,6 +54,9 @@ class TrafficPolicy:
     local_only: bool = False
     # publishNotReadyAddresses: not-ready pods are endpoints too
     publish_not_ready: bool = False
+    # trafficDistribution: "zone" (PreferClose, PreferSameZone) or "node" (PreferSameNode)
+    # endpoints first, the rest only when none of those is left; "" none
+    prefer: str = ""
 
 
 def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
@@ -69,7 +72,14 @@ def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
         affinity_timeout_s=timeout,
         local_only=spec.get("internalTrafficPolicy") == "Local",
         publish_not_ready=spec.get("publishNotReadyAddresses") is True,
+        prefer=PREFER.get(str(spec.get("trafficDistribution") or ""), ""),
     )
+
+
+#: trafficDistribution values and what they prefer (unknown values: no preference, as
+#: kube-proxy ignores them)
+PREFER = {"PreferClose": "zone", "PreferSameZone": "zone", "PreferSameNode": "node"}
+ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 @dataclass(frozen=True)

@@ -195,3 +195,15 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
         st["conditions"] = shared(ready)
     return {"apiVersion": obj.get("apiVersion", "v1"), "kind": "Pod", "metadata": m,
             "spec": s, "status": st}
+
+
+def slim_node(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Node as the mesh reads it: its name and its zone label (trafficDistribution).
+    Everything else (status, images, heartbeats) is dropped on receipt, so a node's churn
+    is no change at all here."""
+    meta = _map(obj.get("metadata"))
+    zone = _map(meta.get("labels")).get("topology.kubernetes.io/zone")
+    m: dict[str, Any] = {"name": _intern(meta.get("name") or "")}
+    if zone:
+        m["labels"] = {"topology.kubernetes.io/zone": _intern(zone)}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": m}

@@ -44,7 +44,7 @@ from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
 from agent.source.manifests import ManifestLoader, shared_loader
-from agent.source.model import slim_pod
+from agent.source.model import slim_node, slim_pod
 from agent.source.pace import background_slice
 
 log = logging.getLogger("aether.source.watch")
@@ -67,6 +67,7 @@ KIND_SPECS: dict[str, KindSpec] = {
     s.kind: s
     for s in (
         KindSpec("Namespace", "v1", "/api/v1/namespaces"),
+        KindSpec("Node", "v1", "/api/v1/nodes"),  # zones (trafficDistribution), slimmed
         KindSpec("Pod", "v1", "/api/v1/pods"),
         KindSpec("Service", "v1", "/api/v1/services"),
         KindSpec(
@@ -243,6 +244,8 @@ class KubeWatcher:
     def _normalise(self, spec: KindSpec, obj: dict[str, Any]) -> dict[str, Any]:
         if spec.kind == "Pod":
             return slim_pod(obj)  # sets kind and apiVersion too
+        if spec.kind == "Node":
+            return slim_node(obj)
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
         obj.setdefault("apiVersion", spec.api_version)
         return obj
