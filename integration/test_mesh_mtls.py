@@ -707,3 +707,38 @@ def test_grpc_over_the_mesh_is_balanced_per_request_and_names_the_caller(
     finally:
         for b in backends:
             b.close()
+
+
+def test_a_headless_services_pod_dialled_by_address_is_a_mesh_hop(mnode: EnvoyNode) -> None:
+    """Headless Service db (clients dial its pods' addresses from DNS): a captured client's
+    connection to the pod's address and target port goes as mTLS to that very pod, which
+    sees the caller's identity; the pod address of a ClusterIP Service stays passthrough."""
+    mnode.agent.write("svc-db.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "db", "namespace": "app"},
+        "spec": {"clusterIP": "None", "clusterIPs": ["None"], "selector": {"app": "db"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                            "appProtocol": "http"}]}}])
+    db = mnode.pod(name="db-0", labels={"app": "db"}, service_account="db")
+    server, client, srv = _echo_pair(mnode, db, deps="app/echo,app/db")
+    db_srv = http_echo_server(db.netns, "0.0.0.0", 8080, "db-0")
+    try:
+        def xfcc(ip: str) -> str | None:
+            status, _h, body = http_get_from(client.netns, ip, 8080, count=1, timeout=3)[0]
+            if status != 200:
+                return None
+            return str(json.loads(body)["headers"].get("x-forwarded-client-cert", ""))
+
+        deadline = time.monotonic() + 20
+        while not (got := xfcc(db.ip())):
+            assert time.monotonic() < deadline, f"the headless pod was never reached meshed: {got!r}"
+            time.sleep(0.3)
+        assert got == f"By=spiffe://{TD}/ns/app/sa/db;URI=spiffe://{TD}/ns/app/sa/client", got
+        with Sniffer(db.netns) as wire:
+            assert xfcc(db.ip())
+        assert {s.dport for s in wire.between(client.ip(), db.ip())
+                if s.src == client.ip() and s.payload} == {15008}
+        # the echo Service has a ClusterIP: its pod's own address is passthrough (no XFCC)
+        assert xfcc(server.ip()) == ""
+    finally:
+        db_srv.shutdown()
+        srv.shutdown()

@@ -279,14 +279,22 @@ def test_chain_per_service_port_dual_stack_to_eds_cluster() -> None:
     assert res[ENDPOINT_TYPE]["svc|mesh|web|443"].endpoints == []  # no endpoints for 443
 
 
-def test_pod_ips_are_not_matched_and_headless_has_no_chain() -> None:
-    eps = {80: (_ep("10.1.0.5"), _ep("fd00:1::5"))}
+def test_pod_ips_of_a_headless_service_are_meshed_one_pod_each() -> None:
+    """A ClusterIP Service's pod addresses get no chain (dialling a pod is not dialling the
+    Service); a headless Service's do: each address and target port to a one-host cluster,
+    reached whatever the pod's readiness, and the Service stays a backend cluster too."""
+    eps = {80: (_ep("10.1.0.5"), _ep("fd00:1::5", ready=False))}
     res = build_resources(_svc_state(_view(eps=eps), _view("db", ips=(), eps=eps)))
-    lis = _mesh(res)
-    prefixes = {p for rows in _chains(lis).values() for p, _, _ in rows}
-    assert prefixes == {"10.96.0.10", "fd00:96::a"}
-    assert "svc|mesh|db|80" not in _chains(lis)
+    chains = _chains(_mesh(res))
+    assert {p for rows in chains.values() for p, _, _ in rows} == {
+        "10.96.0.10", "fd00:96::a", "10.1.0.5", "fd00:1::5"}
+    assert "svc|mesh|db|80" not in chains
+    assert chains["pod|mesh|db|10.1.0.5|8080"] == [("10.1.0.5", 32, 8080)]
+    assert chains["pod|mesh|db|fd00:1::5|8080"] == [("fd00:1::5", 128, 8080)]
     assert "svc|mesh|db|80" in res[CLUSTER_TYPE] and "svc|mesh|db|80" in res[ENDPOINT_TYPE]
+    one = res[ENDPOINT_TYPE]["pod|mesh|db|fd00:1::5|8080"].message()
+    (lb,) = one.endpoints[0].lb_endpoints
+    assert health_check_pb2.HealthStatus.Name(lb.health_status) == "HEALTHY"
 
 
 def test_clashing_cluster_ip_keeps_first_service_only() -> None:

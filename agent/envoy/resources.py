@@ -43,7 +43,7 @@ import ipaddress
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -229,6 +229,15 @@ class NodeXdsState:
 def service_cluster_name(namespace: str, name: str, port: int) -> str:
     """``svc|<ns>|<name>|<port>``: namespace-aware, unambiguous (no '|' in k8s names)."""
     return f"{SERVICE_CLUSTER_PREFIX}{namespace}|{name}|{port}"
+
+
+POD_CLUSTER_PREFIX = "pod|"
+
+
+def pod_cluster_name(namespace: str, service: str, ip: str, port: int) -> str:
+    """``pod|<ns>|<service>|<ip>|<port>``: one endpoint of a headless Service, dialled by
+    its address."""
+    return f"{POD_CLUSTER_PREFIX}{namespace}|{service}|{ip}|{port}"
 
 
 def parse_service_cluster_name(cluster: str) -> tuple[str, str, int] | None:
@@ -867,6 +876,8 @@ class ResourceBuilder:
         if old is not None and old.view is view and old.cluster_key[-1] == timeout \
                 and old.chain_key[-1] == sig:
             return old
+        if not view.cluster_ips:
+            return self._headless(view, timeout)
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
         attempts = timeout[3].connect_attempts
         chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic,
@@ -903,6 +914,53 @@ class ResourceBuilder:
             eds[name] = prev if prev is not None and prev[0] == eps else (
                 eps, _raw(build_load_assignment(name, eps, timeout[2]), name))
         entry = _ServiceEntry(view, chain_key, ports, cluster_key, clusters, eds, per_caller)
+        self._services[view.key] = entry
+        return entry
+
+    def _headless(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience]
+                  ) -> _ServiceEntry:
+        """A headless Service: clients dial its pods' addresses (from DNS) on the target
+        port, so each endpoint address and port gets a chain of its own and a cluster of one
+        host, a mesh hop to exactly that pod (mTLS when identity is on) instead of the
+        passthrough. Readiness does not gate it: a pod dialled by address is reached as it
+        would be without the mesh."""
+        tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
+        rows = []
+        clusters: dict[str, RawResource] = {}
+        eds: dict[str, tuple[tuple[Endpoint, ...], RawResource]] = {}
+        seen: set[tuple[str, int]] = set()
+        for p in tcp_ports:
+            # the Service as a whole stays a cluster too: a GAMMA route may name it a backend
+            svc_name = service_cluster_name(view.namespace, view.name, p.port)
+            clusters[svc_name] = _raw(build_service_cluster(view, p.port, *timeout), svc_name)
+            all_eps = view.endpoints.get(p.port, ())
+            eds[svc_name] = (all_eps, _raw(build_load_assignment(svc_name, all_eps, timeout[2]),
+                                           svc_name))
+            chains = []
+            claims = []
+            for ep in sorted(all_eps, key=lambda e: (e.ip, e.port)):
+                cidr = _cidr(ep.ip)
+                if cidr is None or (ep.ip, ep.port) in seen:
+                    continue
+                seen.add((ep.ip, ep.port))
+                name = pod_cluster_name(view.namespace, view.name, ep.ip, ep.port)
+                cluster = build_service_cluster(view, p.port, *timeout)
+                cluster.name = name
+                cluster.eds_cluster_config.service_name = name
+                cluster.ClearField("outlier_detection")  # one host: nothing to eject it for
+                clusters[name] = _raw(cluster, name)
+                one = (replace(ep, always_ready=True, draining=False),)
+                eds[name] = (one, _raw(build_load_assignment(name, one, timeout[2]), name))
+                match = listener_components_pb2.FilterChainMatch(prefix_ranges=[cidr])
+                match.destination_port.value = ep.port
+                chains.append(listener_components_pb2.FilterChain(
+                    name=name, filter_chain_match=match, filters=[tcp_proxy_filter(name, name)]))
+                claims.append((cidr.address_prefix, ep.port))
+            if chains:
+                rows.append((p, tuple(claims), encode_chains(chains)))
+        key = ("headless", view.namespace, view.name, tuple(sorted(seen)), timeout)
+        entry = _ServiceEntry(view, (*key, gamma_signature(self._gamma, view.key)), tuple(rows),
+                              key, clusters, eds)
         self._services[view.key] = entry
         return entry
 
