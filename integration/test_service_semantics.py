@@ -258,3 +258,42 @@ def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
             far.shutdown()
             for e in echo:
                 e.shutdown()
+
+
+def _cluster_thresholds(node: EnvoyNode, name: str) -> dict[str, Any] | None:
+    dump = json.loads(node.admin("/config_dump?resource=dynamic_active_clusters"))
+    for c in dump.get("configs", []):
+        cluster = c.get("cluster", {})
+        if cluster.get("name") == name:
+            return dict(cluster.get("circuit_breakers", {}).get("thresholds", [{}])[0])
+    return None
+
+
+def test_a_backend_traffic_policy_sets_the_services_retry_budget(enode: EnvoyNode) -> None:
+    """XBackendTrafficPolicy (Gateway API, experimental) on Service web: its retry budget
+    replaces the agent's default on the Service's cluster in Envoy, and goes with the
+    policy."""
+    _service(enode, {})
+    servers, client, echo = _backends(enode, 1)
+    name = "svc|app|web|80"
+    try:
+        _until(lambda: (_cluster_thresholds(enode, name) or {}).get("retry_budget"),
+               "the Service cluster never reached Envoy")
+        assert _cluster_thresholds(enode, name)["retry_budget"]["budget_percent"]["value"] == 20
+        enode.agent.write("btp.yaml", [{
+            "apiVersion": "gateway.networking.x-k8s.io/v1alpha1", "kind": "XBackendTrafficPolicy",
+            "metadata": {"name": "web-budget", "namespace": "app"},
+            "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "web"}],
+                     "retryConstraint": {"budget": {"percent": 5, "interval": "10s"},
+                                         "minRetryRate": {"count": 2, "interval": "1s"}}}}])
+        got = _until(lambda: (t := _cluster_thresholds(enode, name) or {}).get("retry_budget", {})
+                     .get("budget_percent", {}).get("value") == 5 and t,
+                     "the policy's budget never reached Envoy")
+        assert got["retry_budget"]["min_retry_concurrency"] == 2
+        os.unlink(os.path.join(enode.agent.manifests, "btp.yaml"))
+        _until(lambda: _cluster_thresholds(enode, name)["retry_budget"]["budget_percent"]
+               ["value"] == 20, "the budget stayed after the policy went")
+        assert _who(client.netns, 3) == Counter({"web-0": 3})
+    finally:
+        for e in echo:
+            e.shutdown()

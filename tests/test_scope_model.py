@@ -504,3 +504,34 @@ def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -
     s["spec"]["trafficDistribution"] = "PreferSameNode"
     add(model, s)
     assert preferred() == {"10.0.1.2": False, "10.0.1.3": False}
+
+
+def _btp(name: str, target: str, percent: int, count: int | None = None,
+         created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    rc: dict[str, Any] = {"budget": {"percent": percent, "interval": "10s"}}
+    if count is not None:
+        rc["minRetryRate"] = {"count": count, "interval": "1s"}
+    return {"apiVersion": "gateway.networking.x-k8s.io/v1alpha1", "kind": "XBackendTrafficPolicy",
+            "metadata": {"name": name, "namespace": "apps", "creationTimestamp": created},
+            "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": target}],
+                     "retryConstraint": rc}}
+
+
+def test_backend_traffic_policy_sets_the_services_retry_budget(model: MeshModel) -> None:
+    add(model, ns("apps"), svc("web", selector={"app": "web"}),
+        pod("w", ips=("10.0.1.2",), labels={"app": "web"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
+
+    def budget() -> tuple[float | None, int | None]:
+        [view] = model.in_scope_services()
+        return view.traffic.retry_budget_percent, view.traffic.min_retry_concurrency
+
+    assert budget() == (None, None)
+    assert add(model, _btp("newer", "web", 30, created="2026-02-01T00:00:00Z")) == {"apps/web"}
+    assert budget() == (30.0, None)
+    add(model, _btp("older", "web", 5, count=2))  # the oldest policy wins a conflict
+    assert budget() == (5.0, 2)
+    assert delete(model, _btp("older", "web", 5)) == {"apps/web"}
+    assert budget() == (30.0, None)
+    assert add(model, _btp("other", "db", 1)) == {"apps/db"}  # not ours: web unchanged
+    assert budget() == (30.0, None)

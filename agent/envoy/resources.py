@@ -81,7 +81,7 @@ from agent.envoy.pieces import (
 )
 from agent.identity.svid import identity_key
 from agent.scope.model import Endpoint, ServiceView
-from agent.scope.services import ServicePort
+from agent.scope.services import ServicePort, TrafficPolicy
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -464,7 +464,7 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
         ),
         connection_pool_per_downstream_connection=True,
     )
-    apply_resilience(cluster, resilience)
+    apply_resilience(cluster, resilience, view.traffic)
     if tunnel:
         cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
     else:
@@ -483,14 +483,18 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     return cluster
 
 
-def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience) -> None:
-    """Outlier detection, connection limits and the retry budget on a Service cluster."""
+def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience,
+                     traffic: TrafficPolicy | None = None) -> None:
+    """Outlier detection, connection limits and the retry budget on a Service cluster (the
+    Service's XBackendTrafficPolicy budget, when it has one, over the agent's default)."""
     t = cluster.circuit_breakers.thresholds.add()
     limit = r.max_connections if r.max_connections > 0 else mtls.UNLIMITED
     for f in ("max_connections", "max_pending_requests", "max_requests"):
         getattr(t, f).value = limit
-    t.retry_budget.budget_percent.value = r.retry_budget_percent
-    t.retry_budget.min_retry_concurrency.value = 3
+    budget = traffic.retry_budget_percent if traffic is not None else None
+    floor = traffic.min_retry_concurrency if traffic is not None else None
+    t.retry_budget.budget_percent.value = r.retry_budget_percent if budget is None else budget
+    t.retry_budget.min_retry_concurrency.value = 3 if floor is None else floor
     if r.outlier_failures > 0:
         od = cluster.outlier_detection
         # a refused or timed-out connect counts as a 5xx (local-origin errors are not split)
@@ -898,7 +902,7 @@ class ResourceBuilder:
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
                        tuple((p.port, p.app_protocol) for p in tcp_ports),
-                       view.traffic.client_ip_affinity, timeout)
+                       view.traffic, timeout)
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
@@ -958,7 +962,8 @@ class ResourceBuilder:
                 claims.append((cidr.address_prefix, ep.port))
             if chains:
                 rows.append((p, tuple(claims), encode_chains(chains)))
-        key = ("headless", view.namespace, view.name, tuple(sorted(seen)), timeout)
+        key = ("headless", view.namespace, view.name, tuple(sorted(seen)), view.traffic,
+               timeout)
         entry = _ServiceEntry(view, (*key, gamma_signature(self._gamma, view.key)), tuple(rows),
                               key, clusters, eds)
         self._services[view.key] = entry

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.config import NodeConfig
@@ -26,6 +26,8 @@ from agent.scope.services import (
     ServiceCatalog,
     ServicePort,
     TrafficPolicy,
+    policy_targets,
+    retry_constraint,
     service_from_object,
 )
 from agent.source.base import WatchEvent
@@ -129,6 +131,8 @@ class MeshModel:
         self._views: dict[str, ServiceView] = {}
         # node name → its topology.kubernetes.io/zone (trafficDistribution: PreferSameZone)
         self._zones: dict[str, str] = {}
+        # XBackendTrafficPolicy objects by "<ns>/<name>" (their targets' retry budgets)
+        self._backend_policies: dict[str, dict[str, Any]] = {}
         # Set by a long-running owner that reads the scope on a debounce (MeshRuntime): scope
         # recomputation then happens once per read instead of once per event.
         self.defer_scope = False
@@ -303,6 +307,14 @@ class MeshModel:
             return self._apply_slice(ns, name, None if deleted else obj)
         if kind == "Node":
             return self._apply_node(name, None if deleted else obj)
+        if kind == "XBackendTrafficPolicy":
+            key = f"{ns}/{name}"
+            before = set(policy_targets(self._backend_policies.get(key) or {}))
+            if deleted:
+                self._backend_policies.pop(key, None)
+            else:
+                self._backend_policies[key] = obj
+            return before | set(policy_targets(obj))
         if kind in ROUTE_KINDS:
             if deleted:
                 targets = self.routes.remove(kind, ns, name)
@@ -312,6 +324,21 @@ class MeshModel:
                 self._scope_dirty = True  # backendRefs (the closure) may have changed
             return targets
         return set()
+
+    def _traffic(self, svc: Service) -> TrafficPolicy:
+        """The Service's own traffic fields, with the retry budget of the oldest
+        XBackendTrafficPolicy targeting it (Gateway API: on conflict, the oldest policy by
+        creation time, then by namespace/name, wins)."""
+        policies = sorted(
+            ((str((p.get("metadata") or {}).get("creationTimestamp") or ""), k, p)
+             for k, p in self._backend_policies.items() if svc.key in policy_targets(p)),
+            key=lambda t: (t[0], t[1]))
+        for _created, _key, p in policies:
+            percent, floor = retry_constraint(p)
+            if percent is not None:
+                return replace(svc.traffic, retry_budget_percent=percent,
+                               min_retry_concurrency=floor)
+        return svc.traffic
 
     def _apply_node(self, name: str, obj: dict[str, Any] | None) -> set[str]:
         """A node's zone changed: every Service preferring its zone recomputes."""
@@ -486,7 +513,7 @@ class MeshModel:
             names=svc.names(self.mesh_domain),
             endpoints=endpoints,
             routes=tuple(self.routes.routes_for(key)),
-            traffic=svc.traffic,
+            traffic=self._traffic(svc),
         )
         self._views[key] = view
         return view

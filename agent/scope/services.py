@@ -57,6 +57,11 @@ class TrafficPolicy:
     # trafficDistribution: "zone" (PreferClose, PreferSameZone) or "node" (PreferSameNode)
     # endpoints first, the rest only when none of those is left; "" none
     prefer: str = ""
+    # XBackendTrafficPolicy retryConstraint on this Service: the retry budget (percent of
+    # active requests) and its floor (concurrent retries always allowed); None: the
+    # agent's default (--retry-budget-percent)
+    retry_budget_percent: float | None = None
+    min_retry_concurrency: int | None = None
 
 
 def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
@@ -249,3 +254,30 @@ class ServiceCatalog:
         if port is not None and self._by_key[key].port(port) is None:
             return None
         return key
+
+
+def retry_constraint(policy: dict[str, Any]) -> tuple[float | None, int | None]:
+    """An XBackendTrafficPolicy's retryConstraint → (budget percent, minimum concurrent
+    retries). Gateway API defaults: 20 percent; minRetryRate's count is the floor (Envoy
+    budgets concurrent retries, not a rate over an interval)."""
+    rc = (policy.get("spec") or {}).get("retryConstraint")
+    if not isinstance(rc, dict):
+        return None, None
+    budget = rc.get("budget")
+    pct = budget.get("percent", 20) if isinstance(budget, dict) else 20
+    percent = float(pct) if isinstance(pct, int | float) and 0 <= pct <= 100 else 20.0
+    rate = rc.get("minRetryRate")
+    count = rate.get("count") if isinstance(rate, dict) else None
+    return percent, (int(count) if isinstance(count, int) and count >= 0 else None)
+
+
+def policy_targets(policy: dict[str, Any]) -> list[str]:
+    """The Service keys (``<ns>/<name>``) a namespaced Gateway API policy targets."""
+    meta = policy.get("metadata") or {}
+    ns = str(meta.get("namespace") or "default")
+    out = []
+    for ref in (policy.get("spec") or {}).get("targetRefs") or []:
+        if isinstance(ref, dict) and (ref.get("group") or "") == "" \
+                and ref.get("kind") == "Service" and ref.get("name"):
+            out.append(f"{ns}/{ref['name']}")
+    return out

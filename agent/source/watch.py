@@ -77,6 +77,8 @@ KIND_SPECS: dict[str, KindSpec] = {
         KindSpec("GRPCRoute", _GW, f"/apis/{_GW}/grpcroutes"),
         KindSpec("ReferenceGrant", "gateway.networking.k8s.io/v1beta1",
                  "/apis/gateway.networking.k8s.io/v1beta1/referencegrants"),
+        KindSpec("XBackendTrafficPolicy", "gateway.networking.x-k8s.io/v1alpha1",
+                 "/apis/gateway.networking.x-k8s.io/v1alpha1/xbackendtrafficpolicies"),
     )
 }
 MESH_KINDS: tuple[str, ...] = tuple(KIND_SPECS)
@@ -86,6 +88,15 @@ class Gone(Exception):
     """Our resourceVersion is too old (HTTP 410): only a relist recovers."""
 
 
+class NotServed(Exception):
+    """The API does not serve this kind (HTTP 404 on the collection: its CRD is not
+    installed, e.g. Gateway API's experimental policies)."""
+
+
+#: How often a kind the API does not serve is looked for again (its CRD may be installed).
+NOT_SERVED_RECHECK_S = 60.0
+
+
 @dataclass
 class KindStatus:
     """Per-kind watch health for logs and `aether-agent status`."""
@@ -93,6 +104,7 @@ class KindStatus:
     kind: str
     resource_version: str | None = None
     synced: bool = False
+    not_served: bool = False  # the API answered 404: the kind's CRD is not installed
     lists: int = 0
     watches: int = 0
     relists_410: int = 0
@@ -209,6 +221,18 @@ class KubeWatcher:
                 st.relists_410 += 1
                 st.resource_version = None
                 log.info("watch %s: %s; relisting", kind, exc)
+            except NotServed:
+                # no such kind: nothing of it exists, so the (empty) list is complete
+                if not st.not_served:
+                    log.info("the API does not serve %s (CRD not installed?); looking again "
+                             "every %.0fs", kind, NOT_SERVED_RECHECK_S)
+                st.not_served = True
+                self.store.replace_kind(kind, [])
+                st.resource_version = None
+                if not st.synced:
+                    st.synced = True
+                    st.synced_event.set()
+                self.stop_event.wait(NOT_SERVED_RECHECK_S)
             except Exception as exc:  # cut streams, refused connections, 5xx, bad JSON
                 if self.stop_event.is_set():
                     break
@@ -232,6 +256,10 @@ class KubeWatcher:
         )
         rest = self.api.call_api(*req, _request_timeout=(self.request_timeout, read_timeout))
         resp = rest.response
+        if resp.status == 404 and "watch" not in query:
+            rest.read()
+            resp.release_conn()
+            raise NotServed(f"HTTP 404 on {spec.path}")
         if resp.status == 410:
             resp.release_conn()
             raise Gone("HTTP 410 Gone")
@@ -274,6 +302,7 @@ class KubeWatcher:
         rv = str(meta.get("resourceVersion") or "")
         events = self.store.replace_kind(spec.kind, items)
         st.lists += 1
+        st.not_served = False
         st.events += len(events)
         st.resource_version = rv or None
         if not st.synced:
