@@ -123,7 +123,8 @@ def dial(netns: str, addr: str, port: int, mark: int | None = None,
 
 def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
     """An HTTP backend inside a pod netns that answers with its pod name and the request it
-    saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on."""
+    saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on.
+    ``/status/<code>`` answers that status (with the same body)."""
     import http.server
     import json as _json
 
@@ -139,7 +140,10 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
                 "host": self.headers.get("Host", ""),
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             }).encode()
-            self.send_response(200)
+            status = 200
+            if self.path.startswith("/status/") and self.path[8:11].isdigit():
+                status = int(self.path[8:11])  # /status/503: answer that status
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("X-Pod", pod_name)

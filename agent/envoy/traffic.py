@@ -1,0 +1,185 @@
+"""Golden traffic metrics: requests and connections by source workload and destination
+Service, folded from what Envoy already reports on the access-log stream (no extra hop).
+
+Two kinds of reports arrive (``agent.envoy.als``):
+
+* a TCP connection closed on a namespace listener (``aether-traffic``): the source pod (its
+  capture listener), the upstream cluster (a Service port, or the passthrough), bytes and
+  response flags;
+* an HTTP request finished on an HTTP chain (``aether-requests``): the same, plus the
+  route, the status code, the gRPC status and the duration.
+
+Pure and thread-safe. Cardinality is capped: past ``max_series`` distinct label sets, new
+ones are counted under ``other`` labels and the fold itself is counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MAX_SERIES = 1000
+OTHER = "other"
+# Request duration histogram buckets (seconds), Prometheus style (le, cumulative on export).
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Who called: the pod's namespace, its workload (the owner, not the pod) and pod."""
+
+    namespace: str
+    workload: str
+    pod: str = ""
+
+
+UNKNOWN_SOURCE = Source("unknown", "unknown")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One access-log entry, reduced to what the metrics need."""
+
+    listener: str  # the capture listener of the calling pod (capture-<cid>)
+    cluster: str  # svc|<ns>|<name>|<port>, passthrough, …
+    http: bool = False
+    code: int = 0  # HTTP status (0: none, e.g. a reset before any response)
+    grpc_status: str = ""
+    route: str = ""
+    flags: str = ""  # Envoy response flags, e.g. "UF,URX"; "" none
+    duration_s: float = 0.0
+    received: int = 0
+    sent: int = 0
+    chain: str = ""  # the filter chain that carried it (HTTP chains end in "|http")
+    dst_ip: str = ""  # the original destination (passthrough: mesh pod or outside?)
+
+
+@dataclass(frozen=True)
+class Labels:
+    src_namespace: str
+    src_workload: str
+    dst_namespace: str
+    dst_service: str
+    route: str = ""
+    code: str = ""
+    grpc_status: str = ""
+    flags: str = ""
+
+
+@dataclass
+class _Requests:
+    count: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
+    total_s: float = 0.0
+
+
+@dataclass
+class _Connections:
+    opened: int = 0  # reported when closed; "active" comes from Envoy's own gauge
+    received: int = 0
+    sent: int = 0
+
+
+def destination(cluster: str) -> tuple[str, str]:
+    """(namespace, Service) of a Service cluster name; passthrough and others as-is."""
+    parts = cluster.split("|")
+    if len(parts) == 4 and parts[0] == "svc":
+        return parts[1], parts[2]
+    if len(parts) == 5 and parts[0] == "pod":  # a headless Service's pod
+        return parts[1], parts[2]
+    return "", cluster or "unknown"
+
+
+def code_class(code: int) -> str:
+    return f"{code // 100}xx" if code else "none"
+
+
+class TrafficTally:
+    """Request and connection counters by labels, at most ``max_series`` label sets."""
+
+    def __init__(self, max_series: int = MAX_SERIES,
+                 resolve: Callable[[str], Source | None] | None = None,
+                 classify: Callable[[str], str] | None = None) -> None:
+        self.max_series = max_series
+        self.resolve = resolve  # capture listener name → Source
+        # passthrough destination address → "mesh" (a managed pod) or "outside"
+        self.classify = classify
+        self._lock = threading.Lock()
+        self._requests: dict[Labels, _Requests] = {}
+        self._tcp: dict[Labels, _Connections] = {}
+        self._passthrough: dict[tuple[str, str, str], int] = {}
+        self.folded = 0
+
+    def _source(self, listener: str) -> Source:
+        src = self.resolve(listener) if self.resolve is not None and listener else None
+        return src or UNKNOWN_SOURCE
+
+    def _fold(self, labels: Labels) -> Labels:
+        """A new label set: itself while under the cap, else the ``other`` set."""
+        if len(self._requests) + len(self._tcp) < self.max_series:
+            return labels
+        self.folded += 1
+        return Labels(OTHER, OTHER, OTHER, OTHER)
+
+    def add(self, r: Report) -> None:
+        src = self._source(r.listener)
+        if not r.http and r.chain.endswith("|http"):
+            return  # an HTTP chain's connection: its requests are counted one by one
+        if not r.http and not r.cluster.startswith(("svc|", "pod|")):
+            dst_class = (self.classify(r.dst_ip) if self.classify is not None and r.dst_ip
+                         else "outside")
+            with self._lock:
+                key = (src.namespace, src.workload, dst_class)
+                if key not in self._passthrough and len(self._passthrough) >= self.max_series:
+                    self.folded += 1
+                    key = (OTHER, OTHER, dst_class)
+                self._passthrough[key] = self._passthrough.get(key, 0) + 1
+            return
+        dst_ns, dst = destination(r.cluster)
+        with self._lock:
+            if r.http:
+                labels = Labels(src.namespace, src.workload, dst_ns, dst, r.route,
+                                str(r.code or ""), r.grpc_status, r.flags)
+                if labels not in self._requests:
+                    labels = self._fold(labels)
+                req = self._requests.setdefault(labels, _Requests())
+                req.count += 1
+                req.buckets[bisect.bisect_left(BUCKETS, r.duration_s)] += 1
+                req.total_s += max(0.0, r.duration_s)
+            else:
+                labels = Labels(src.namespace, src.workload, dst_ns, dst, flags=r.flags)
+                if labels not in self._tcp:
+                    labels = self._fold(labels)
+                conn = self._tcp.setdefault(labels, _Connections())
+                conn.opened += 1
+                conn.received += max(0, r.received)
+                conn.sent += max(0, r.sent)
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain data for ``/metrics``, ``status --json`` and ``aether-agent top``."""
+        with self._lock:
+            requests = [{**lab.__dict__, "count": v.count, "buckets": list(v.buckets),
+                         "sum_s": round(v.total_s, 6)} for lab, v in self._requests.items()]
+            tcp = [{**lab.__dict__, "connections": v.opened, "received_bytes": v.received,
+                    "sent_bytes": v.sent} for lab, v in self._tcp.items()]
+            passthrough = [{"src_namespace": a, "src_workload": b, "dst_class": c,
+                            "connections": n} for (a, b, c), n in self._passthrough.items()]
+            return {"requests": requests, "tcp": tcp, "passthrough": passthrough,
+                    "buckets": list(BUCKETS), "max_series": self.max_series,
+                    "folded": self.folded}
+
+
+def quantile(buckets: list[int], q: float) -> float | None:
+    """The q-quantile of a bucketed histogram (upper bound of its bucket; None if empty)."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    want = q * total
+    seen = 0
+    for i, n in enumerate(buckets):
+        seen += n
+        if seen >= want:
+            return BUCKETS[i] if i < len(BUCKETS) else float("inf")
+    return float("inf")
