@@ -29,6 +29,7 @@ from agent.netns.pin import pin, pins_visible_to, share_pin_dir, unpin
 from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
 from agent.state import CapturedPod, StateStore
+from agent.workload import workload_of
 
 log = logging.getLogger("aether.agent")
 
@@ -80,6 +81,7 @@ class Agent:
         self.gamma_lease: Any = None
         self.gamma_status: Any = None
         self.enrollment: Any = None  # agent.enroll.EnrollmentLoop with a mesh source
+        self._sources_cache: dict[str, Any] = {}  # capture listener → traffic Source
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
@@ -242,6 +244,25 @@ class Agent:
         """Uncaptured managed pods acted on (reported or evicted) by the repair loop."""
         return float(len(self.repair.found)) if self.repair is not None else 0.0
 
+    def _traffic_source(self, listener: str) -> Any:
+        """``capture-<container id>`` → the calling pod's namespace, workload and name (for
+        the traffic metrics; a gRPC thread, so dict reads and a small cache only)."""
+        from agent.envoy.resources import LISTENER_PREFIX
+        from agent.envoy.traffic import Source
+        cached = self._sources_cache.get(listener)
+        if cached is not None:
+            return cached
+        pod = self.store.get(listener[len(LISTENER_PREFIX):]) \
+            if listener.startswith(LISTENER_PREFIX) else None
+        if pod is None:
+            return None
+        obj = self.mesh.objects.get("Pod", pod.namespace, pod.name) if self.mesh else None
+        src = Source(pod.namespace, workload_of(pod.name, obj), pod.name)
+        if len(self._sources_cache) > 10_000:
+            self._sources_cache.clear()
+        self._sources_cache[listener] = src
+        return src
+
     def _dependency_set_size(self) -> float:
         return float(len(self.mesh.model.in_scope_keys())) if self.mesh is not None else 0.0
 
@@ -259,6 +280,10 @@ class Agent:
             xds = getattr(sink, "xds", None)
             if xds is not None:
                 m.mesh_traffic_source = xds.inbound.status
+        xds = getattr(sink, "xds", None)
+        if xds is not None:
+            xds.traffic.resolve = self._traffic_source
+            m.traffic_source = xds.traffic.snapshot
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),
@@ -679,6 +704,11 @@ class Agent:
         command = request.get("command")
         if command == "status":
             return {"ok": True, "status": self.status()}
+        if command == "traffic":  # aether-agent top
+            xds = getattr(self.sink, "xds", None)
+            if xds is None:
+                return {"ok": False, "msg": "no Envoy on this node: no traffic metrics"}
+            return {"ok": True, "traffic": xds.traffic.snapshot(), "at": time.time()}
         if command == "uninstall":  # root only: the status socket is mode 0600
             report = self.release_all("aether-agent uninstall")
             self.options.envoy_on_exit = "stop"
@@ -686,7 +716,8 @@ class Agent:
                 threading.Timer(0.3, self.on_exit_request).start()
             return {"ok": True, "uninstall": report, "pid": os.getpid()}
         if command != "pod":
-            return {"ok": False, "msg": 'expected "command": "status", "pod" or "uninstall"'}
+            return {"ok": False,
+                    "msg": 'expected "command": "status", "pod", "traffic" or "uninstall"'}
         pod, dest = request.get("pod"), request.get("dest")
         if not isinstance(pod, str) or pod.count("/") != 1:
             return {"ok": False, "msg": 'expected "pod": "<namespace>/<name>"'}

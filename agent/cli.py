@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Annotated, Any
 
 import typer
@@ -55,6 +56,7 @@ def run(
     connect_attempts: Annotated[int, typer.Option(help="Attempts to connect a Service connection, each to another endpoint when the last was refused or timed out (1: no retry, as kube-proxy).")] = 2,
     max_connections_per_service: Annotated[int, typer.Option(help="Connections (and pending/concurrent requests) per Service port through this node's proxy; 0: no limit.")] = 0,
     retry_budget_percent: Annotated[float, typer.Option(help="Retries a GAMMA route asks for may add at most this percentage of requests.")] = 20.0,
+    traffic_metrics: Annotated[bool, typer.Option("--traffic-metrics/--no-traffic-metrics", help="Golden metrics (/metrics, aether-agent top): Envoy reports every connection and HTTP request to the agent.")] = True,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
@@ -145,7 +147,7 @@ def run(
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,
                          cgroup=proxy.directory if proxy.ok else None, identity=identity,
-                         resilience=resilience)
+                         resilience=resilience, traffic_metrics=traffic_metrics)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):
@@ -209,6 +211,60 @@ def status(
     if pod:
         raise typer.Exit(1 if doc.get("degraded", doc.get("rules_verified") != "ok") else 0)
     raise typer.Exit(1 if doc.get("degraded") else 0)
+
+
+@app.command()
+def top(
+    once: Annotated[bool, typer.Option("--once", help="One sample, printed once (scripts).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (implies --once).")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between samples (the rate window).")] = 2.0,
+    namespace: Annotated[str | None, typer.Option(help="Only traffic from or to this namespace.")] = None,
+    pod: Annotated[str | None, typer.Option(help="Only traffic from this pod (<namespace>/<name>).")] = None,
+    sort: Annotated[str, typer.Option(help="rps, success, p99 or name.")] = "rps",
+    run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
+) -> None:
+    """Live requests/s, success rate, p50/p99 and connections per destination Service and
+    per source workload on this node (like top; Ctrl-C ends it)."""
+    import datetime
+
+    from agent.top import SORT_KEYS, render, table
+    if sort not in SORT_KEYS:
+        raise typer.BadParameter(f"--sort must be one of {', '.join(SORT_KEYS)}")
+    if interval <= 0:
+        raise typer.BadParameter("--interval must be positive")
+
+    def sample() -> dict[str, Any]:
+        try:
+            answer = _ask(run_dir, {"command": "traffic"})
+        except LookupError as e:  # the agent answered: no traffic metrics here
+            print(str(e), file=sys.stderr)
+            raise typer.Exit(2) from e
+        except (OSError, ValueError) as e:
+            print(f"aether-agent is not reachable at {run_dir}/status.sock: {e}", file=sys.stderr)
+            raise typer.Exit(2) from e
+        if "traffic" not in answer:
+            print(answer.get("msg", "no traffic metrics"), file=sys.stderr)
+            raise typer.Exit(2)
+        return dict(answer["traffic"])
+
+    before = sample()
+    while True:
+        time.sleep(interval)
+        after = sample()
+        services = table(before, after, interval, "service", namespace, pod, sort)
+        workloads = table(before, after, interval, "workload", namespace, pod, sort)
+        if as_json:
+            print(json.dumps({"interval_s": interval,
+                              "services": [r.to_json() for r in services],
+                              "workloads": [r.to_json() for r in workloads]}, indent=2))
+            return
+        stamp = datetime.datetime.now().strftime("%H:%M:%S")
+        screen = render(services, workloads, interval, stamp)
+        if once:
+            print(screen)
+            return
+        print("\x1b[2J\x1b[H" + screen, flush=True)  # clear, home: redraw in place
+        before = after
 
 
 @app.command()

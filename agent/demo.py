@@ -186,7 +186,11 @@ class Demo:
         _say(7, self.STEPS, "aether-agent status")
         subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir", self.run_dir],
                        check=False)
-        return self._report(split, header, stats, callers)
+        code = self._report(split, header, stats, callers)
+        print("\n$ aether-agent top --once   (the calls above, by Service and by workload)")
+        subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once", "--interval", "1",
+                        "--run-dir", self.run_dir], check=False)
+        return code
 
     def expected_endpoints(self) -> set[str]:
         """``<cluster>::<ip>:<port>`` of every (Service, pod) the demo's route can send to."""

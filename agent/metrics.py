@@ -162,6 +162,83 @@ class _MeshTrafficCollector(Collector):
             "(identity, caller) series were already held.", value=float(st.get("folded") or 0))
 
 
+REQUEST_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service", "route",
+                  "code", "code_class", "grpc_status", "response_flags"]
+PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service"]
+
+
+class _TrafficCollector(Collector):
+    """Golden metrics (agent.envoy.traffic): requests, their durations, TCP connections and
+    bytes by source workload and destination Service. Source pods are summed away (a
+    workload's pods are one series)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import HistogramMetricFamily
+
+        from agent.envoy.traffic import code_class
+        read = self._metrics.traffic_source
+        if read is None:
+            return
+        try:
+            snap = read()
+        except Exception as e:  # noqa: BLE001 - never fail the scrape
+            log.debug("traffic metrics failed: %s", e)
+            return
+        req: dict[tuple[str, ...], float] = {}
+        hist: dict[tuple[str, ...], tuple[list[int], float]] = {}
+        for r in snap.get("requests") or []:
+            pair = tuple(r[k] for k in PAIR_LABELS)
+            code = int(r["code"]) if str(r["code"]).isdigit() else 0
+            key = (*pair, r["route"], r["code"], code_class(code), r["grpc_status"], r["flags"])
+            req[key] = req.get(key, 0) + r["count"]
+            b, total = hist.get(pair, ([0] * len(r["buckets"]), 0.0))
+            hist[pair] = ([x + y for x, y in zip(b, r["buckets"], strict=True)], total + r["sum_s"])
+        fam = CounterMetricFamily("aether_requests", "HTTP/gRPC requests from captured pods, "
+                                  "by source workload, destination Service, route and outcome "
+                                  "(HTTP status, gRPC status, Envoy response flags).",
+                                  labels=REQUEST_LABELS)
+        for key, n in sorted(req.items()):
+            fam.add_metric(list(key), n)
+        yield fam
+        bounds = [str(b) for b in snap.get("buckets") or []] + ["+Inf"]
+        h = HistogramMetricFamily("aether_request_duration_seconds",
+                                  "Request duration as the caller's proxy saw it (first request "
+                                  "byte to last response byte).", labels=PAIR_LABELS)
+        for pair, (buckets, total) in sorted(hist.items()):
+            cum, acc = [], 0
+            for bound, n in zip(bounds, buckets, strict=True):
+                acc += n
+                cum.append((bound, acc))
+            h.add_metric(list(pair), cum, total)
+        yield h
+        tcp: dict[tuple[str, ...], list[float]] = {}
+        for r in snap.get("tcp") or []:
+            key = (*(r[k] for k in PAIR_LABELS), r["flags"])
+            acc3 = tcp.setdefault(key, [0.0, 0.0, 0.0])
+            acc3[0] += r["connections"]
+            acc3[1] += r["received_bytes"]
+            acc3[2] += r["sent_bytes"]
+        names = [("aether_tcp_connections", "TCP connections (closed) from captured pods to "
+                  "Services, by source workload and destination Service."),
+                 ("aether_tcp_received_bytes", "Bytes those connections sent to the Service."),
+                 ("aether_tcp_sent_bytes", "Bytes the Service sent back on them.")]
+        for i, (name, doc) in enumerate(names):
+            f = CounterMetricFamily(name, doc, labels=[*PAIR_LABELS, "response_flags"])
+            for key, v in sorted(tcp.items()):
+                f.add_metric(list(key), v[i])
+            yield f
+        yield CounterMetricFamily(
+            "aether_traffic_folded_reports",
+            f"Reports counted under 'other' labels because {snap.get('max_series')} label "
+            "sets were already held (the cardinality cap).", value=float(snap.get("folded") or 0))
+
+
 class Metrics:
     """The agent's metrics; owners push CNI/xDS timings and register live sources."""
 
@@ -190,6 +267,9 @@ class Metrics:
         # the xDS server's InboundTally.status(), when the agent runs Envoy
         self.mesh_traffic_source: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_MeshTrafficCollector(self))
+        # the xDS server's TrafficTally.snapshot(), when the agent runs Envoy
+        self.traffic_source: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_TrafficCollector(self))
 
     def observe_cni(self, command: Any, seconds: float, outcome: str) -> None:
         """Record one CNI request; unknown commands are folded into `invalid`."""

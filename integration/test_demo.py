@@ -16,6 +16,9 @@ def test_demo_splits_matches_and_cleans_up() -> None:
     assert "PASS: the header match matches" in r.stdout
     assert "PASS: every request went through the node Envoy" in r.stdout
     assert "[7/7]" in r.stderr  # progress was shown
+    # it ends with `aether-agent top --once`: the demo's calls by destination Service
+    top = r.stdout[r.stdout.index("aether-agent top --once"):]
+    assert "DESTINATION SERVICE" in top and "demo/echo" in top, top
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                check=True).stdout.split())
     assert not {n for n in after - before if n.startswith("aet-")}, "demo left netns behind"

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -50,14 +51,14 @@ def _until(pred: Any, what: str, timeout: float = 20.0) -> Any:
 
 def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
     """From pod `caller` (workload `caller`, owned by ReplicaSet caller-7d9f) to Service web
-    (appProtocol http, a GAMMA-free HTTP port: per-request metrics need the HTTP chain, so
-    the port is routed) N requests of which K answer 503, and M TCP connections to Service
-    raw: the counters are exactly N, K and M."""
+    (appProtocol http: the HTTP codec, no route needed) N requests of which K answer 503,
+    and M TCP connections to Service raw (no appProtocol: L4): the counters are exactly N,
+    K and M, with those labels."""
     tnode.agent.write("svcs.yaml", [
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
          "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
                   "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                             "appProtocol": "kubernetes.io/h2c"}]}},
+                             "appProtocol": "http"}]}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
          "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
                   "ports": [{"name": "tcp", "port": 7000, "targetPort": 7000}]}}])
@@ -78,10 +79,25 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
         "spec": {"nodeName": "test-node"}}])
     srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
     lst = run_in_netns(raw.netns, lambda: socket.create_server(("0.0.0.0", 7000)))
+
+    def serve() -> None:  # read to the client's end, then close: the connection ends
+        while True:
+            try:
+                c, _ = lst.accept()
+            except OSError:
+                return
+            while c.recv(65536):
+                pass
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
     try:
-        assert http_get_from(caller.netns, WEB_IP, 80, count=1, timeout=5)[0][0] == 200
+        # the Services' config reaches Envoy shortly after the pods' ADDs (not awaited)
+        _until(lambda: http_get_from(caller.netns, WEB_IP, 80, count=1, timeout=3)[0][0] == 200,
+               "Service web never answered")
         _until(lambda: _metric(tnode.agent.http("/metrics")[1], "aether_requests_total",
                                src_workload="caller") >= 1, "no request was counted at all")
+        time.sleep(1.5)  # every report of the warm-up is in before the baseline is read
         text0 = tnode.agent.http("/metrics")[1]
         n, k, m = 20, 6, 7
         got = http_get_from(caller.netns, WEB_IP, 80, count=n - k, timeout=5)
@@ -106,7 +122,16 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
                   and delta(text, "aether_tcp_connections_total", dst_service="raw") == m)
             return text if ok else None
 
-        text = _until(settled, "the counters never reached N requests and M connections")
+        def evidence() -> str:
+            t = tnode.agent.http("/metrics")[1]
+            return "\n".join(ln for ln in t.splitlines()
+                             if ln.startswith(("aether_requests_total", "aether_tcp_conn",
+                                               "aether_passthrough")))
+
+        try:
+            _until(settled, "the counters never reached N requests and M connections")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{evidence()}") from None
         time.sleep(1.5)  # another flush: nothing more may arrive
         text = tnode.agent.http("/metrics")[1]
         assert delta(text, "aether_requests_total", dst_service="web") == n
@@ -119,14 +144,17 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
         out = subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once", "--json",
                               "--run-dir", tnode.agent.run_dir, "--interval", "0.5"],
                              capture_output=True, text=True, check=True).stdout
-        rows = {r["service"]: r for r in json.loads(out)["services"]}
-        assert rows["app/web"]["requests"] == n + 1  # and the first probe
+        rows = {r["name"]: r for r in json.loads(out)["services"]}
+        warmup = _metric(text0, "aether_requests_total", **base, dst_service="web")
+        assert rows["app/web"]["requests"] == n + warmup
         assert rows["app/web"]["errors"] == k
         assert rows["app/raw"]["connections"] == m
         human = subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once",
                                 "--run-dir", tnode.agent.run_dir, "--interval", "0.5"],
                                capture_output=True, text=True, check=True).stdout
-        assert re.search(r"app/web\s+\S+\s+21\s+71\.4%", human), human  # 15 of 21 OK
+        total = int(n + warmup)
+        pct = f"{(total - k) * 100 / total:.1f}%"
+        assert re.search(rf"app/web\s+\S+\s+{total}\s+{re.escape(pct)}", human), human
     finally:
         srv.shutdown()
         lst.close()

@@ -131,7 +131,7 @@ def test_pod_listener_size_does_not_depend_on_services() -> None:
 def test_namespace_listener_bytes_equal_the_proto() -> None:
     view = _view()
     from agent.envoy.resources import Resilience
-    chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts)
+    chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts, request_log=True)
               for p in view.ports]
     raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"]
     proto = build_namespace_listener("default", chains)
@@ -409,7 +409,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str | None] = []
 
     def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None, connect_attempts: int = 1) -> Any:
+              gamma: Any = None, connect_attempts: int = 1, request_log: bool = False) -> Any:
         calls.append(caller_ns)
         c = r.service_chain(view, port)
         c.name = f"{c.name}|{caller_ns}"

@@ -457,10 +457,10 @@ def test_http_inspector_only_for_detect_ports() -> None:
     assert two is not None and len(two.filter_disabled.not_match.or_match.rules) == 2
 
 
-def test_an_h2c_or_grpc_port_is_balanced_per_request_without_a_route() -> None:
-    """appProtocol grpc / kubernetes.io/h2c and no route: the HTTP codec with one route to
-    the Service itself (no timeout), so requests on one connection are balanced; plain http
-    and opaque ports without a route stay L4."""
+def test_an_http_port_is_balanced_per_request_without_a_route() -> None:
+    """appProtocol grpc / kubernetes.io/h2c / http and no route: the HTTP codec with one
+    route to the Service itself (no timeout), so requests on one connection are balanced;
+    ports with no appProtocol stay L4."""
     from envoy.extensions.filters.network.http_connection_manager.v3 import (
         http_connection_manager_pb2 as hcm_pb2,
     )
@@ -476,7 +476,7 @@ def test_an_h2c_or_grpc_port_is_balanced_per_request_without_a_route() -> None:
         chains = chain_for(view, port, None, None)
         chains = chains if isinstance(chains, list) else [chains]
         names = [f.name for c in chains for f in c.filters]
-        if port.port in (9090, 9091):
+        if port.port in (9090, 9091, 80):
             assert names == ["envoy.filters.network.http_connection_manager"], names
             hcm = hcm_pb2.HttpConnectionManager()
             chains[0].filters[0].typed_config.Unpack(hcm)

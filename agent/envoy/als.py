@@ -22,11 +22,13 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from agent.envoy.mesh_traffic import InboundConnection
 from agent.envoy.mtls import INBOUND_ALS_LOG_NAME, INBOUND_LISTENER_TAG
-from agent.envoy.resources import ALS_LISTENER_TAG, ALS_LOG_NAME
+from agent.envoy.resources import ALS_LISTENER_TAG, ALS_LOG_NAME, REQUEST_LOG_NAME, TRAFFIC_LOG_NAME
+from agent.envoy.traffic import Report
 
 # on_access(listener_name, dst_ip, dst_port); listener_name is "" if Envoy sent none.
 AccessCallback = Callable[[str, str, int], None]
 InboundCallback = Callable[[InboundConnection], None]
+TrafficCallback = Callable[[Report], None]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,36 @@ def parse_inbound_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> InboundConnec
                              entry.common_properties.custom_tags.get(INBOUND_LISTENER_TAG, ""))
 
 
+def _tag(tags: Any, key: str) -> str:
+    value = str(tags.get(key, ""))
+    return "" if value == "-" else value  # the formatters' "no value"
+
+
+def parse_traffic_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> Report:
+    """A namespace listener's connection: the calling pod, chain, cluster, bytes, flags."""
+    c = entry.common_properties
+    return Report(listener=_tag(c.custom_tags, ALS_LISTENER_TAG), cluster=c.upstream_cluster,
+                  chain=_tag(c.custom_tags, "chain"), flags=_tag(c.custom_tags, "flags"),
+                  received=int(entry.connection_properties.received_bytes),
+                  sent=int(entry.connection_properties.sent_bytes),
+                  dst_ip=c.downstream_local_address.socket_address.address)
+
+
+def parse_request_entry(entry: accesslog_pb2.HTTPAccessLogEntry) -> Report:
+    """An HTTP chain's request: status, gRPC status, route, duration, the rest as above."""
+    c = entry.common_properties
+    resp = entry.response
+    grpc = resp.response_trailers.get("grpc-status") or resp.response_headers.get("grpc-status", "")
+    duration = (c.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e9
+                if c.HasField("time_to_last_downstream_tx_byte") else 0.0)
+    return Report(listener=_tag(c.custom_tags, ALS_LISTENER_TAG), cluster=c.upstream_cluster,
+                  http=True, code=int(resp.response_code.value), grpc_status=grpc,
+                  route=c.route_name, flags=_tag(c.custom_tags, "flags"),
+                  duration_s=duration, chain=_tag(c.custom_tags, "chain"),
+                  received=int(entry.request.request_body_bytes),
+                  sent=int(resp.response_body_bytes))
+
+
 def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:
     """The TCP entries of one stream message (HTTP entries are not ours yet)."""
     out = []
@@ -84,9 +116,11 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
 
     def __init__(self, on_access: AccessCallback | None = None,
                  log: logging.Logger | None = None,
-                 on_inbound: InboundCallback | None = None) -> None:
+                 on_inbound: InboundCallback | None = None,
+                 on_traffic: TrafficCallback | None = None) -> None:
         self._cb = on_access
         self._inbound = on_inbound
+        self._traffic = on_traffic
         self._lock = threading.Lock()
         self.log = log or logging.getLogger("agent.envoy.als")
         self.entries = 0
@@ -100,6 +134,9 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         """Dispatch one message (``log_name`` is the stream's, sent only in its first)."""
         if log_name == INBOUND_ALS_LOG_NAME:
             self._handle_inbound(msg)
+            return
+        if log_name in (TRAFFIC_LOG_NAME, REQUEST_LOG_NAME):
+            self._handle_traffic(msg)
             return
         if log_name and log_name != ALS_LOG_NAME:
             return
@@ -124,6 +161,19 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
                 cb(parse_inbound_entry(e))
             except Exception:
                 self.log.exception("inbound access callback failed")
+
+    def _handle_traffic(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
+        cb = self._traffic
+        reports = ([parse_traffic_entry(e) for e in msg.tcp_logs.log_entry]
+                   + [parse_request_entry(e) for e in msg.http_logs.log_entry])
+        self.entries += len(reports)
+        if cb is None:
+            return
+        for r in reports:
+            try:
+                cb(r)
+            except Exception:
+                self.log.exception("traffic metrics callback failed")
 
     def StreamAccessLogs(  # noqa: N802 - grpc naming
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext

@@ -407,9 +407,11 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
 
 
 def balances_per_request(port: ServicePort) -> bool:
-    """HTTP/2 and gRPC ports (by appProtocol) are balanced per request even without a
-    route: one long-lived connection is spread over every endpoint, not pinned to one."""
-    return port.app_protocol is not None and port.app_protocol.lower() in H2C_APP_PROTOCOLS
+    """Ports that declare HTTP (appProtocol http, http2, h2c, grpc, …) get the HTTP codec
+    even without a route: requests are balanced one by one (one long-lived gRPC connection
+    is spread over every endpoint, not pinned to one) and counted with their status and
+    duration (the golden metrics)."""
+    return port_protocol(port) == "http"
 
 
 def default_table(view: ServiceView, port: ServicePort) -> RouteTable:

@@ -107,6 +107,25 @@ def tcp_grpc_access_log(log_name: str, tags: dict[str, str] | None = None
     return log
 
 
+def http_grpc_access_log(log_name: str, tags: dict[str, str] | None = None,
+                         response_headers: tuple[str, ...] = ()) -> accesslog_pb2.AccessLog:
+    """An HTTP gRPC access log to the agent under ``log_name`` (one entry per request),
+    with custom ``tags`` and the named response headers and trailers."""
+    from envoy.type.tracing.v3 import custom_tag_pb2
+    common = als_pb2.CommonGrpcAccessLogConfig(
+        log_name=log_name, transport_api_version=config_source_pb2.V3,
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)),
+        custom_tags=[custom_tag_pb2.CustomTag(tag=k, value=v)
+                     for k, v in sorted((tags or {}).items())])
+    cfg = als_pb2.HttpGrpcAccessLogConfig(
+        common_config=common, additional_response_headers_to_log=list(response_headers),
+        additional_response_trailers_to_log=list(response_headers))
+    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc")
+    log.typed_config.Pack(cfg)
+    return log
+
+
 def transport_socket(name: str, msg: Message) -> base_pb2.TransportSocket:
     ts = base_pb2.TransportSocket(name=name)
     ts.typed_config.Pack(msg)

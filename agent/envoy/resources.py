@@ -72,11 +72,13 @@ from agent.envoy.pieces import (
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
     duration,
+    http_grpc_access_log,
     internal_upstream,
     original_dst_filter,
     set_filter_state,
     state_value,
     stdout_access_log,
+    tcp_grpc_access_log,
     tcp_proxy_filter,
 )
 from agent.identity.svid import identity_key
@@ -93,6 +95,11 @@ NAMESPACE_LISTENER_PREFIX = "mesh-"
 DEFAULT_NAMESPACE = "default"
 SERVICE_CLUSTER_PREFIX = "svc|"
 ALS_LOG_NAME = "aether-passthrough"
+# Golden metrics (agent.envoy.traffic): every connection a namespace listener closes, and
+# every request an HTTP chain answers, reported to the agent under these log names.
+TRAFFIC_LOG_NAME = "aether-traffic"
+REQUEST_LOG_NAME = "aether-requests"
+TRAFFIC_TAGS = {"chain": "%FILTER_CHAIN_NAME%", "flags": "%RESPONSE_FLAGS%"}
 # Custom tags on every ALS entry: the pod listener that accepted the connection (from filter
 # state) and the internal listener that logged it.
 ALS_LISTENER_TAG = "listener"
@@ -224,6 +231,9 @@ class NodeXdsState:
     # no identity provider, Service traffic goes to the endpoints in plaintext.
     mesh_tls: MeshTls | None = None
     resilience: Resilience = Resilience()
+    # Golden metrics: the namespace listeners and HTTP chains report every connection and
+    # request to the agent (agent.envoy.traffic); off: no per-connection/request reports.
+    traffic_metrics: bool = True
 
 
 def service_cluster_name(namespace: str, name: str, port: int) -> str:
@@ -352,8 +362,8 @@ def _cidr(ip: str) -> address_pb2.CidrRange | None:
     return cidr
 
 
-def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1
-                  ) -> listener_components_pb2.FilterChain:
+def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1,
+                  traffic_log: bool = False) -> listener_components_pb2.FilterChain:
     """Plain TCP chain for one Service port: ClusterIPs (/32, /128) + port -> its EDS cluster.
 
     Matched on the original destination. The GAMMA work swaps in an HTTP variant (same
@@ -376,7 +386,8 @@ def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 
         filter_chain_match=match,
         # no per-chain access log: at 10k Services it was most of each chain's bytes; the
         # passthrough chain keeps its log (learning) and cluster stats cover Service traffic
-        filters=[tcp_proxy_filter(cluster, cluster, config=tcp)],
+        filters=[tcp_proxy_filter(cluster, cluster,
+                                  *([traffic_access_log()] if traffic_log else []), config=tcp)],
     )
 
 
@@ -395,7 +406,8 @@ def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = No
 
 
 def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None, connect_attempts: int = 1) -> ChainResult:
+              gamma: Any = None, connect_attempts: int = 1,
+              request_log: bool = False) -> ChainResult:
     """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
     attach to this Service port (by appProtocol; http_inspector detection when unset).
 
@@ -406,7 +418,7 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     from agent.envoy.http_routes import balances_per_request, service_port_chains
 
     def tcp_chain(v: ServiceView, p: ServicePort) -> listener_components_pb2.FilterChain:
-        return service_chain(v, p, connect_attempts)
+        return service_chain(v, p, connect_attempts, request_log)
 
     if gamma is None and not balances_per_request(port):
         return tcp_chain(view, port)
@@ -415,7 +427,8 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
              else gamma.tables.get((view.key, port.port, None)))
     return service_port_chains(view, port, table, tcp_chain=tcp_chain,
                                cluster_name=service_cluster_name,
-                               access_log=(http_failure_access_log(),))
+                               access_log=(http_failure_access_log(),
+                                           *([request_access_log()] if request_log else [])))
 
 
 def gamma_signature(gamma: Any, key: str) -> tuple[Any, ...]:
@@ -677,6 +690,21 @@ class RawResource:
         return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
 
 
+def traffic_access_log() -> accesslog_pb2.AccessLog:
+    """A Service chain's log: one entry per connection (the calling pod, the chain, the
+    upstream cluster, bytes, response flags). Per chain, because Envoy emits no
+    listener-level access log for connections of an internal listener."""
+    return tcp_grpc_access_log(TRAFFIC_LOG_NAME,
+                               {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS})
+
+
+def request_access_log() -> accesslog_pb2.AccessLog:
+    """One entry per request on an HTTP chain (status, duration, route, gRPC status)."""
+    return http_grpc_access_log(REQUEST_LOG_NAME,
+                                {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS},
+                                response_headers=("grpc-status",))
+
+
 def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = (),
                     connection_log: bool = False) -> bytes:
     """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
@@ -821,9 +849,9 @@ class _ServiceTables:
     """The outcome of one pass over the Services (reused while they are the same objects)."""
 
     views: tuple[ServiceView, ...]
-    # (connect timeout, passthrough mark, tunnel, resilience): what every Service cluster is
-    # built with
-    timeout: tuple[float, int, bool, Resilience]
+    # (connect timeout, passthrough mark, tunnel, resilience, traffic metrics): what every
+    # Service's cluster and chains are built with
+    timeout: tuple[float, int, bool, Resilience, bool]
     clusters: dict[str, Message]
     assignments: dict[str, Message]
     # (entry, port, shared chain bytes or None) in table order, clash-free
@@ -873,7 +901,7 @@ class ResourceBuilder:
 
     # ---- Services ------------------------------------------------------------------------
 
-    def _service(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience]
+    def _service(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, bool]
                  ) -> _ServiceEntry:
         old = self._services.get(view.key)
         sig = gamma_signature(self._gamma, view.key)
@@ -883,9 +911,9 @@ class ResourceBuilder:
         if not view.cluster_ips:
             return self._headless(view, timeout)
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
-        attempts = timeout[3].connect_attempts
+        attempts, request_log = timeout[3].connect_attempts, timeout[4]
         chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic,
-                     attempts, sig)
+                     attempts, request_log, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -897,7 +925,7 @@ class ResourceBuilder:
                 claims = tuple((c.address_prefix, p.port) for c in cidrs)
                 shared = (None if chain_varies_by_caller(view, p, self._gamma)
                           else encode_chains(_as_chains(chain_for(view, p, None, self._gamma,
-                                                                  attempts))))
+                                                                  attempts, request_log))))
                 rows.append((p, claims, shared))
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
@@ -906,7 +934,7 @@ class ResourceBuilder:
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
-            clusters = {n: _raw(build_service_cluster(view, p.port, *timeout), n)
+            clusters = {n: _raw(build_service_cluster(view, p.port, *timeout[:4]), n)
                         for p in tcp_ports
                         for n in [service_cluster_name(view.namespace, view.name, p.port)]}
         eds = {}
@@ -921,7 +949,7 @@ class ResourceBuilder:
         self._services[view.key] = entry
         return entry
 
-    def _headless(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience]
+    def _headless(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, bool]
                   ) -> _ServiceEntry:
         """A headless Service: clients dial its pods' addresses (from DNS) on the target
         port, so each endpoint address and port gets a chain of its own and a cluster of one
@@ -936,7 +964,7 @@ class ResourceBuilder:
         for p in tcp_ports:
             # the Service as a whole stays a cluster too: a GAMMA route may name it a backend
             svc_name = service_cluster_name(view.namespace, view.name, p.port)
-            clusters[svc_name] = _raw(build_service_cluster(view, p.port, *timeout), svc_name)
+            clusters[svc_name] = _raw(build_service_cluster(view, p.port, *timeout[:4]), svc_name)
             all_eps = view.endpoints.get(p.port, ())
             eds[svc_name] = (all_eps, _raw(build_load_assignment(svc_name, all_eps, timeout[2]),
                                            svc_name))
@@ -948,7 +976,7 @@ class ResourceBuilder:
                     continue
                 seen.add((ep.ip, ep.port))
                 name = pod_cluster_name(view.namespace, view.name, ep.ip, ep.port)
-                cluster = build_service_cluster(view, p.port, *timeout)
+                cluster = build_service_cluster(view, p.port, *timeout[:4])
                 cluster.name = name
                 cluster.eds_cluster_config.service_name = name
                 cluster.ClearField("outlier_detection")  # one host: nothing to eject it for
@@ -957,8 +985,10 @@ class ResourceBuilder:
                 eds[name] = (one, _raw(build_load_assignment(name, one, timeout[2]), name))
                 match = listener_components_pb2.FilterChainMatch(prefix_ranges=[cidr])
                 match.destination_port.value = ep.port
+                logs = [traffic_access_log()] if timeout[4] else []
                 chains.append(listener_components_pb2.FilterChain(
-                    name=name, filter_chain_match=match, filters=[tcp_proxy_filter(name, name)]))
+                    name=name, filter_chain_match=match,
+                    filters=[tcp_proxy_filter(name, name, *logs)]))
                 claims.append((cidr.address_prefix, ep.port))
             if chains:
                 rows.append((p, tuple(claims), encode_chains(chains)))
@@ -972,7 +1002,7 @@ class ResourceBuilder:
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
         opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None,
-                state.resilience)
+                state.resilience, state.traffic_metrics)
         if old is not None and old.timeout == opts \
                 and _same(old.views, state.services) and old.gamma is state.gamma:
             return old
@@ -1026,7 +1056,8 @@ class ResourceBuilder:
                 if got is None:
                     got = mine[port.port] = encode_chains(
                         _as_chains(chain_for(entry.view, port, ns, self._gamma,
-                                             entry.cluster_key[-1][3].connect_attempts)))
+                                             entry.cluster_key[-1][3].connect_attempts,
+                                             entry.cluster_key[-1][4])))
                 chains = got
             out.append(chains)
         table = b"".join(out)

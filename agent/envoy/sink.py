@@ -68,7 +68,8 @@ class EnvoySink:
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
                  hang_timeout: float = 15.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
-                 resilience: Resilience | None = None) -> None:
+                 resilience: Resilience | None = None, traffic_metrics: bool = True) -> None:
+        self.traffic_metrics = traffic_metrics  # every connection and request reported
         self.access_log = access_log  # a stdout line per passthrough connection
         # outlier detection, connect retries, limits on every Service cluster
         self.resilience = resilience or Resilience()
@@ -344,7 +345,8 @@ class EnvoySink:
                              services=self._services, gamma=self._gamma,
                              connection_log=self.access_log, learn_targets=self._learnable,
                              mesh_tls=self.identity.mesh_tls() if self.identity else None,
-                             resilience=self.resilience)
+                             resilience=self.resilience,
+                             traffic_metrics=self.traffic_metrics)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:

@@ -3,9 +3,8 @@ Service, folded from what Envoy already reports on the access-log stream (no ext
 
 Two kinds of reports arrive (``agent.envoy.als``):
 
-* a TCP connection closed on a namespace listener (``aether-traffic``): the source pod (its
-  capture listener), the upstream cluster (a Service port, or the passthrough), bytes and
-  response flags;
+* a TCP connection closed on a Service chain (``aether-traffic``): the source pod (its
+  capture listener), the upstream cluster (a Service port), bytes and response flags;
 * an HTTP request finished on an HTTP chain (``aether-requests``): the same, plus the
   route, the status code, the gRPC status and the duration.
 
@@ -53,7 +52,7 @@ class Report:
     received: int = 0
     sent: int = 0
     chain: str = ""  # the filter chain that carried it (HTTP chains end in "|http")
-    dst_ip: str = ""  # the original destination (passthrough: mesh pod or outside?)
+    dst_ip: str = ""  # the original destination
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ class Labels:
     src_workload: str
     dst_namespace: str
     dst_service: str
+    src_pod: str = ""  # for `aether-agent top --pod`; /metrics sums it away
     route: str = ""
     code: str = ""
     grpc_status: str = ""
@@ -85,9 +85,7 @@ class _Connections:
 def destination(cluster: str) -> tuple[str, str]:
     """(namespace, Service) of a Service cluster name; passthrough and others as-is."""
     parts = cluster.split("|")
-    if len(parts) == 4 and parts[0] == "svc":
-        return parts[1], parts[2]
-    if len(parts) == 5 and parts[0] == "pod":  # a headless Service's pod
+    if len(parts) >= 4 and parts[0] in ("svc", "pod"):  # svc|ns|name|port[|http], pod|ns|svc|ip|port
         return parts[1], parts[2]
     return "", cluster or "unknown"
 
@@ -100,16 +98,12 @@ class TrafficTally:
     """Request and connection counters by labels, at most ``max_series`` label sets."""
 
     def __init__(self, max_series: int = MAX_SERIES,
-                 resolve: Callable[[str], Source | None] | None = None,
-                 classify: Callable[[str], str] | None = None) -> None:
+                 resolve: Callable[[str], Source | None] | None = None) -> None:
         self.max_series = max_series
         self.resolve = resolve  # capture listener name → Source
-        # passthrough destination address → "mesh" (a managed pod) or "outside"
-        self.classify = classify
         self._lock = threading.Lock()
         self._requests: dict[Labels, _Requests] = {}
         self._tcp: dict[Labels, _Connections] = {}
-        self._passthrough: dict[tuple[str, str, str], int] = {}
         self.folded = 0
 
     def _source(self, listener: str) -> Source:
@@ -128,19 +122,13 @@ class TrafficTally:
         if not r.http and r.chain.endswith("|http"):
             return  # an HTTP chain's connection: its requests are counted one by one
         if not r.http and not r.cluster.startswith(("svc|", "pod|")):
-            dst_class = (self.classify(r.dst_ip) if self.classify is not None and r.dst_ip
-                         else "outside")
-            with self._lock:
-                key = (src.namespace, src.workload, dst_class)
-                if key not in self._passthrough and len(self._passthrough) >= self.max_series:
-                    self.folded += 1
-                    key = (OTHER, OTHER, dst_class)
-                self._passthrough[key] = self._passthrough.get(key, 0) + 1
-            return
-        dst_ns, dst = destination(r.cluster)
+            return  # not a Service connection (only Service chains report)
+        # an HTTP request is counted against the Service called (its chain), not the backend
+        # a route sent it to; a connection against the Service its cluster serves
+        dst_ns, dst = destination(r.chain if r.http and r.chain.startswith("svc|") else r.cluster)
         with self._lock:
             if r.http:
-                labels = Labels(src.namespace, src.workload, dst_ns, dst, r.route,
+                labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, r.route,
                                 str(r.code or ""), r.grpc_status, r.flags)
                 if labels not in self._requests:
                     labels = self._fold(labels)
@@ -149,7 +137,7 @@ class TrafficTally:
                 req.buckets[bisect.bisect_left(BUCKETS, r.duration_s)] += 1
                 req.total_s += max(0.0, r.duration_s)
             else:
-                labels = Labels(src.namespace, src.workload, dst_ns, dst, flags=r.flags)
+                labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, flags=r.flags)
                 if labels not in self._tcp:
                     labels = self._fold(labels)
                 conn = self._tcp.setdefault(labels, _Connections())
@@ -164,9 +152,7 @@ class TrafficTally:
                          "sum_s": round(v.total_s, 6)} for lab, v in self._requests.items()]
             tcp = [{**lab.__dict__, "connections": v.opened, "received_bytes": v.received,
                     "sent_bytes": v.sent} for lab, v in self._tcp.items()]
-            passthrough = [{"src_namespace": a, "src_workload": b, "dst_class": c,
-                            "connections": n} for (a, b, c), n in self._passthrough.items()]
-            return {"requests": requests, "tcp": tcp, "passthrough": passthrough,
+            return {"requests": requests, "tcp": tcp,
                     "buckets": list(BUCKETS), "max_series": self.max_series,
                     "folded": self.folded}
 

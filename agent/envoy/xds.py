@@ -45,6 +45,7 @@ from agent.envoy.resources import (
     ResourceBuilder,
     resource_hash,
 )
+from agent.envoy.traffic import TrafficTally
 
 # xDS ordering: secrets (SDS), clusters, then their endpoints, then the listeners that
 # reference them.
@@ -101,7 +102,10 @@ class XdsServer:
         self.log = log or logging.getLogger("agent.envoy.xds")
         # the mesh connections this node's pods accepted, by caller (the inbound access log)
         self.inbound = InboundTally()
-        self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add)
+        # requests and connections by source workload and destination Service (#19)
+        self.traffic = TrafficTally()
+        self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add,
+                                     on_traffic=self.traffic.add)
         self._builder = ResourceBuilder()
         self._publish_lock = threading.RLock()
         # type -> id(proto) -> (proto, hash): resources the builder reused are not

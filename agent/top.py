@@ -1,0 +1,116 @@
+"""`aether-agent top`: per destination Service and per source workload, requests/s, success
+rate, p50/p99 latency and connections, from two samples of the agent's traffic counters.
+
+Pure: snapshots (``TrafficTally.snapshot()``) in, rows and text out; the CLI samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agent.envoy.traffic import quantile
+
+SORT_KEYS = ("rps", "success", "p99", "name")
+
+
+@dataclass
+class Row:
+    name: str  # <ns>/<service> or <ns>/<workload>
+    requests: int = 0
+    errors: int = 0  # 5xx answers and requests that got no answer at all
+    rps: float = 0.0
+    connections: int = 0
+    cps: float = 0.0  # TCP connections per second
+    buckets: list[int] = field(default_factory=list)
+
+    @property
+    def success(self) -> float | None:
+        return None if not self.requests else (self.requests - self.errors) / self.requests
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["buckets"]
+        out["success"] = self.success
+        out["p50_s"] = quantile(self.buckets, 0.5) if self.buckets else None
+        out["p99_s"] = quantile(self.buckets, 0.99) if self.buckets else None
+        return out
+
+
+def _keep(r: dict[str, Any], namespace: str | None, pod: str | None) -> bool:
+    if namespace and namespace not in (r.get("src_namespace"), r.get("dst_namespace")):
+        return False
+    return not pod or f"{r.get('src_namespace')}/{r.get('src_pod')}" == pod
+
+
+def _rows(snap: dict[str, Any], by: str, namespace: str | None, pod: str | None
+          ) -> dict[str, Row]:
+    def name(r: dict[str, Any]) -> str:
+        return (f"{r['dst_namespace']}/{r['dst_service']}" if by == "service"
+                else f"{r['src_namespace']}/{r['src_workload']}")
+
+    out: dict[str, Row] = {}
+    for r in snap.get("requests") or []:
+        if not _keep(r, namespace, pod):
+            continue
+        row = out.setdefault(name(r), Row(name(r)))
+        row.requests += r["count"]
+        code = int(r["code"]) if str(r["code"]).isdigit() else 0
+        if code >= 500 or code == 0:
+            row.errors += r["count"]
+        row.buckets = ([a + b for a, b in zip(row.buckets, r["buckets"], strict=True)]
+                       if row.buckets else list(r["buckets"]))
+    for r in snap.get("tcp") or []:
+        if _keep(r, namespace, pod):
+            out.setdefault(name(r), Row(name(r))).connections += r["connections"]
+    return out
+
+
+def table(before: dict[str, Any], after: dict[str, Any], interval_s: float, by: str,
+          namespace: str | None = None, pod: str | None = None, sort: str = "rps"
+          ) -> list[Row]:
+    """Rows of ``after`` (cumulative counts, success and latency since the agent started),
+    with rates from the change since ``before``."""
+    old = _rows(before, by, namespace, pod)
+    rows = list(_rows(after, by, namespace, pod).values())
+    for row in rows:
+        prev = old.get(row.name)
+        if interval_s > 0:
+            row.rps = max(0, row.requests - (prev.requests if prev else 0)) / interval_s
+            row.cps = max(0, row.connections - (prev.connections if prev else 0)) / interval_s
+    if sort == "name":
+        rows.sort(key=lambda r: r.name)
+    elif sort == "success":
+        rows.sort(key=lambda r: (r.success if r.success is not None else 2.0, r.name))
+    elif sort == "p99":
+        rows.sort(key=lambda r: (-(quantile(r.buckets, 0.99) or 0.0), r.name))
+    else:
+        rows.sort(key=lambda r: (-r.rps, -r.cps, r.name))
+    return rows
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds == float("inf"):
+        return ">10s"
+    return f"{seconds * 1000:.0f}ms" if seconds >= 0.001 else "<1ms"
+
+
+def render(services: list[Row], workloads: list[Row], interval_s: float, stamp: str) -> str:
+    """The human screen: two tables, Services then source workloads."""
+    def block(title: str, rows: list[Row]) -> list[str]:
+        head = [title, "RPS", "REQUESTS", "SUCCESS", "P50", "P99", "CONN/S", "CONNECTIONS"]
+        body = [[r.name, f"{r.rps:.1f}", str(r.requests),
+                 "-" if r.success is None else f"{r.success * 100:.1f}%",
+                 _ms(quantile(r.buckets, 0.5) if r.buckets else None),
+                 _ms(quantile(r.buckets, 0.99) if r.buckets else None),
+                 f"{r.cps:.1f}", str(r.connections)] for r in rows]
+        widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+        return lines if body else [*lines, "(no traffic yet)"]
+
+    return "\n".join([f"aether-agent top · {stamp} · rates over {interval_s:g}s, the rest since "
+                      "the agent started", "", *block("DESTINATION SERVICE", services), "",
+                      *block("SOURCE WORKLOAD", workloads)])
