@@ -201,3 +201,49 @@ def machine_info() -> dict[str, str]:
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True)
+
+
+def teardown_node(kubelet: Kubelet, pods: list[Pod], agent: AgentProc, bridge: str,
+                  workdir: str) -> None:
+    """Best-effort teardown of a benchmark node: pods (DEL, else their netns), the agent,
+    the bridge and the netns pins under ``workdir``."""
+    from agent.netns.pin import release_mounts_under
+    for p in reversed(pods):
+        try:
+            kubelet.delete(p)
+        except Exception:  # noqa: BLE001 - best-effort teardown
+            subprocess.run(["ip", "netns", "del", p.netns_name], check=False, capture_output=True)
+    agent.stop()
+    subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
+    release_mounts_under(workdir)
+
+
+def bench_cli(prog: str, doc: str | None, tool: str, tool_hint: str, prefix: str,
+              run: Callable[[int, float, str], dict[str, Any]], argv: list[str] | None) -> int:
+    """The shared CLI of the round-based data-path benchmarks: --rounds/--duration/--quick/
+    --json; root and ``tool`` required; ``run(rounds, duration, workdir)`` in a temp dir."""
+    import argparse
+    import shutil
+    import tempfile
+    ap = argparse.ArgumentParser(prog=prog, description=doc)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--quick", action="store_true", help="1 round of 2 s (CI smoke)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0 or shutil.which(tool) is None:
+        print(f"{prog} needs root and {tool_hint}", file=sys.stderr)
+        return 2
+    rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        out = run(rounds, duration, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out["machine"] = machine_info()
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(dumps(out))
+    else:
+        print(json.dumps(out, indent=1)[:4000])
+    return 0

@@ -18,19 +18,14 @@ it). Root only; needs `h2load`. Everything is torn down on exit.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
-from agent.netns.pin import release_mounts_under
-from bench.common import AgentProc, Kubelet, Pod, dumps, machine_info, progress
+from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
 from bench.envoy_common import ServerEnvoy
 
 NS = "bench"
@@ -154,40 +149,12 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     finally:
         for e in envoys:
             e.stop()
-        for p in reversed(pods):
-            try:
-                kubelet.delete(p)
-            except Exception:  # noqa: BLE001 - best-effort teardown
-                subprocess.run(["ip", "netns", "del", p.netns_name], check=False,
-                               capture_output=True)
-        agent.stop()
-        subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
-        release_mounts_under(workdir)
+        teardown_node(kubelet, pods, agent, bridge, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.h2_balance", description=__doc__)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 s (CI smoke)")
-    ap.add_argument("--json", help="write the figures here")
-    args = ap.parse_args(argv)
-    if os.geteuid() != 0 or shutil.which("h2load") is None:
-        print("bench.h2_balance needs root and h2load (nghttp2-client)", file=sys.stderr)
-        return 2
-    rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
-    workdir = tempfile.mkdtemp(prefix="aether-bench-h2-")
-    try:
-        out = run(rounds, duration, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    out["machine"] = machine_info()
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(dumps(out))
-    else:
-        print(json.dumps(out, indent=1)[:4000])
-    return 0
+    return bench_cli("python -m bench.h2_balance", __doc__, "h2load", "h2load (nghttp2-client)",
+                     "aether-bench-h2-", run, argv)
 
 
 if __name__ == "__main__":

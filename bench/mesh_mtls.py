@@ -23,22 +23,17 @@ target). Root only; needs `wrk`. Everything is torn down on exit.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 import psutil
 
 from agent.identity.ca_dir import make_ca
-from agent.netns.pin import release_mounts_under
-from bench.common import AgentProc, Kubelet, Pod, dumps, machine_info, progress
+from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
 from bench.envoy_common import ServerEnvoy, WrkResult, run_wrk
 
 NS = "bench"
@@ -202,40 +197,12 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     finally:
         if srv is not None:
             srv.stop()
-        for p in reversed(pods):
-            try:
-                kubelet.delete(p)
-            except Exception:  # noqa: BLE001 - best-effort teardown
-                subprocess.run(["ip", "netns", "del", p.netns_name], check=False,
-                               capture_output=True)
-        agent.stop()
-        subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
-        release_mounts_under(workdir)
+        teardown_node(kubelet, pods, agent, bridge, workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.mesh_mtls", description=__doc__)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 s per shape (CI smoke)")
-    ap.add_argument("--json", help="write the figures here")
-    args = ap.parse_args(argv)
-    if os.geteuid() != 0 or shutil.which("wrk") is None:
-        print("bench.mesh_mtls needs root and wrk", file=sys.stderr)
-        return 2
-    rounds, duration = (1, 2.0) if args.quick else (args.rounds, args.duration)
-    workdir = tempfile.mkdtemp(prefix="aether-bench-mtls-")
-    try:
-        out = run(rounds, duration, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    out["machine"] = machine_info()
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(dumps(out))
-    else:
-        print(json.dumps(out, indent=1)[:4000])
-    return 0
+    return bench_cli("python -m bench.mesh_mtls", __doc__, "wrk", "wrk", "aether-bench-mtls-",
+                     run, argv)
 
 
 if __name__ == "__main__":

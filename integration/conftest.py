@@ -360,3 +360,14 @@ def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
         yield n
 
 
+
+
+def until(pred: Any, what: str, timeout: float = 20.0) -> Any:
+    """Poll ``pred`` until it returns something truthy (returned); fail with ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)

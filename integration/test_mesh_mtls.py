@@ -470,26 +470,7 @@ def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyN
     _service(mnode, "opaque", "10.96.70.22", port=7000, target=7000, app_protocol="redis")
     server, client, srv = _echo_pair(mnode, deps="app/echo,app/web,app/opaque")
     payload = b"first-the-server-speaks\n" * 3000
-
-    def listen() -> socket.socket:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", 7000))
-        s.listen(8)
-        return s
-
-    raw = run_in_netns(server.netns, listen)
-
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = raw.accept()
-            except OSError:
-                return
-            c.sendall(payload)  # server-first: no wait for the client
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    raw = _raw_server(server.netns, payload, read_first=False)  # no wait for the client
     try:
         assert _get_ok(client.netns, "10.96.70.21")[0] == 200
         local_before = _local_listener_connections(mnode, server)
@@ -524,6 +505,33 @@ def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyN
         srv.shutdown()
 
 
+
+def _raw_server(netns: str, payload: bytes, read_first: bool) -> socket.socket:
+    """A TCP server on :7000 in ``netns`` that sends ``payload`` and closes each connection
+    (after reading the client's first bytes when ``read_first``; else server-first)."""
+    def listen() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 7000))
+        s.listen(8)
+        return s
+
+    raw = run_in_netns(netns, listen)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = raw.accept()
+            except OSError:
+                return
+            if read_first:
+                c.recv(100)
+            c.sendall(payload)
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return raw
+
 def _local_listener_connections(node: EnvoyNode, pod: Pod) -> int:
     """Connections the pod's loopback listener (undeclared ports only) has accepted."""
     name = mtls.inbound_local_listener_name(pod.container_id)
@@ -545,27 +553,7 @@ def test_the_server_closing_first_loses_nothing(mnode: EnvoyNode) -> None:
                  "ports": [{"name": "raw", "port": 7000, "targetPort": 7000}]}}])
     server, client, srv = _echo_pair(mnode, deps="app/echo,app/raw")
     payload = b"answer-then-close\n" * 4000  # 72 KB: more than one read
-
-    def listen() -> socket.socket:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", 7000))
-        s.listen(8)
-        return s
-
-    raw = run_in_netns(server.netns, listen)
-
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = raw.accept()
-            except OSError:
-                return
-            c.recv(100)
-            c.sendall(payload)
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
+    raw = _raw_server(server.netns, payload, read_first=True)
     try:
         assert _get_ok(client.netns, SVC_IP)[0] == 200
 

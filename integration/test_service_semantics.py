@@ -14,7 +14,7 @@ import pytest
 
 from agent.testing.kubelet import Pod
 from agent.testing.netutil import http_echo_server, http_get_from
-from integration.conftest import EnvoyNode, running
+from integration.conftest import EnvoyNode, running, until
 
 SVC_IP = "10.96.71.10"
 
@@ -47,14 +47,7 @@ def _who(netns: str, count: int, ip: str = SVC_IP) -> Counter[str]:
     return Counter(json.loads(body)["pod"] if status == 200 else "-" for status, _h, body in got)
 
 
-def _until(pred: Any, what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
+_until = until
 
 
 def _pod_state(node: EnvoyNode, pod: Pod, *, ready: bool, terminating: bool = False) -> None:

@@ -12,13 +12,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from agent.netns.enter import run_in_netns
 from agent.testing.netutil import http_echo_server, http_get_from
-from integration.conftest import EnvoyNode, running
+from integration.conftest import EnvoyNode, running, until
 
 WEB_IP, RAW_IP = "10.96.72.10", "10.96.72.11"
 
@@ -39,14 +38,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def _until(pred: Any, what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
+_until = until
 
 
 def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:

@@ -90,20 +90,25 @@ def stdout_access_log(fmt: str) -> accesslog_pb2.AccessLog:
     return log
 
 
-def tcp_grpc_access_log(log_name: str, tags: dict[str, str] | None = None
-                        ) -> accesslog_pb2.AccessLog:
-    """A TCP gRPC access log to the agent (over the bootstrap's unix-socket cluster) under
-    ``log_name``, with custom ``tags`` (formatter values); configs that are equal share one
-    logger and one stream per worker, so tags must be formats, not per-listener literals."""
+def _grpc_log_common(log_name: str, tags: dict[str, str] | None
+                     ) -> als_pb2.CommonGrpcAccessLogConfig:
     from envoy.type.tracing.v3 import custom_tag_pb2
-    common = als_pb2.CommonGrpcAccessLogConfig(
+    return als_pb2.CommonGrpcAccessLogConfig(
         log_name=log_name, transport_api_version=config_source_pb2.V3,
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)),
         custom_tags=[custom_tag_pb2.CustomTag(tag=k, value=v)
                      for k, v in sorted((tags or {}).items())])
+
+
+def tcp_grpc_access_log(log_name: str, tags: dict[str, str] | None = None
+                        ) -> accesslog_pb2.AccessLog:
+    """A TCP gRPC access log to the agent (over the bootstrap's unix-socket cluster) under
+    ``log_name``, with custom ``tags`` (formatter values); configs that are equal share one
+    logger and one stream per worker, so tags must be formats, not per-listener literals."""
     log = accesslog_pb2.AccessLog(name="envoy.access_loggers.tcp_grpc")
-    log.typed_config.Pack(als_pb2.TcpGrpcAccessLogConfig(common_config=common))
+    log.typed_config.Pack(als_pb2.TcpGrpcAccessLogConfig(
+        common_config=_grpc_log_common(log_name, tags)))
     return log
 
 
@@ -111,15 +116,9 @@ def http_grpc_access_log(log_name: str, tags: dict[str, str] | None = None,
                          response_headers: tuple[str, ...] = ()) -> accesslog_pb2.AccessLog:
     """An HTTP gRPC access log to the agent under ``log_name`` (one entry per request),
     with custom ``tags`` and the named response headers and trailers."""
-    from envoy.type.tracing.v3 import custom_tag_pb2
-    common = als_pb2.CommonGrpcAccessLogConfig(
-        log_name=log_name, transport_api_version=config_source_pb2.V3,
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)),
-        custom_tags=[custom_tag_pb2.CustomTag(tag=k, value=v)
-                     for k, v in sorted((tags or {}).items())])
     cfg = als_pb2.HttpGrpcAccessLogConfig(
-        common_config=common, additional_response_headers_to_log=list(response_headers),
+        common_config=_grpc_log_common(log_name, tags),
+        additional_response_headers_to_log=list(response_headers),
         additional_response_trailers_to_log=list(response_headers))
     log = accesslog_pb2.AccessLog(name="envoy.access_loggers.http_grpc")
     log.typed_config.Pack(cfg)
