@@ -161,6 +161,12 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
         address_family = fam
         daemon_threads = True
 
+        def shutdown(self) -> None:
+            """Stop serving and close the listening socket (a test process runs hundreds of
+            these; an fd left open each time ends with libnftables refusing fds ≥ 1024)."""
+            super().shutdown()
+            self.server_close()
+
     def make() -> Server:
         return Server((addr, port), Handler)
 
