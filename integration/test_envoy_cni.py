@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import os
 import signal
 import socket
@@ -88,10 +89,19 @@ def test_http_and_tcp_pass_through_envoy(enode: EnvoyNode) -> None:
         tcp.close()
 
 
-def test_access_log_flag_logs_each_passthrough_connection(workdir: str, bridge_name: str
-                                                          ) -> None:
-    """`--access-log`: one line per passthrough connection, naming the pod's listener and the
-    original destination (off by default; see the unit test of the passthrough chain)."""
+def _access_records(logs: str) -> list[dict[str, object]]:
+    out = []
+    for line in logs.splitlines():
+        if '"agent.access"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def test_access_log_flag_logs_each_connection_as_a_json_record(workdir: str, bridge_name: str
+                                                               ) -> None:
+    """`--access-log`: one JSON record per captured connection in the agent's log, naming the
+    calling pod, its listener, the original destination, the endpoint Envoy dialled, flags,
+    bytes and duration (off by default; see the unit test of the passthrough chain)."""
     n = EnvoyNode(workdir, bridge_name, extra=["--access-log"])
     n.agent.start()
     n.wait_ready()
@@ -100,11 +110,18 @@ def test_access_log_flag_logs_each_passthrough_connection(workdir: str, bridge_n
         pod = n.pod()
         n.add(pod)
         assert dial(pod.netns, GW4, tport) == "direct"
-        deadline = time.monotonic() + 20  # Envoy flushes its access log file every ~10 s
-        while f"listener=capture-{pod.container_id}" not in n.agent.logs() \
-                or f"{GW4}:{tport}" not in n.agent.logs():
-            assert time.monotonic() < deadline, "access log line never reached the agent log"
+        deadline = time.monotonic() + 10  # the access-log stream flushes about every second
+        mine: list[dict[str, object]] = []
+        while not mine:
+            assert time.monotonic() < deadline, "no access record reached the agent log"
             time.sleep(0.2)
+            mine = [r for r in _access_records(n.agent.logs())
+                    if r.get("listener") == f"capture-{pod.container_id}"]
+        (rec,) = mine
+        assert rec["kind"] == "connection" and rec["cluster"] == "passthrough"
+        assert rec["dst"] == f"{GW4}:{tport}" and rec["endpoint"] == f"{GW4}:{tport}"
+        assert (rec["src_namespace"], rec["src_pod"]) == (pod.namespace, pod.name)
+        assert isinstance(rec["duration_ms"], float) and rec["bytes_sent"] == len(b"direct")
     finally:
         tcp.close()
         n.cleanup()

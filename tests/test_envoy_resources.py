@@ -97,8 +97,15 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
                                            connection_log=True)))
     tcp = tcp_proxy_pb2.TcpProxy()
     assert logged.default_filter_chain.filters[0].typed_config.Unpack(tcp)
-    assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.stdout",
+    assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.tcp_grpc",
                                                 "envoy.access_loggers.tcp_grpc"]
+    names = []
+    for a in tcp.access_log:
+        cfg = als_pb2.TcpGrpcAccessLogConfig()
+        assert a.typed_config.Unpack(cfg)
+        names.append(cfg.common_config.log_name)
+    # the access-log report (a JSON record in the agent) and the learning stream
+    assert names == ["aether-traffic", "aether-passthrough"]
 
 
 def test_namespace_cluster_reaches_internal_listener() -> None:
@@ -482,7 +489,7 @@ def test_learning_streams_only_learnable_cluster_ips_one_chain_per_port() -> Non
     # the connection log rides on learn chains too
     logged = _mesh(build_resources(replace(state, connection_log=True)))
     assert _logs({c.name: c for c in logged.filter_chains}["learn-8080"]) == [
-        "envoy.access_loggers.stdout", "envoy.access_loggers.tcp_grpc"]
+        "envoy.access_loggers.tcp_grpc", "envoy.access_loggers.tcp_grpc"]
 
 
 def test_learn_chains_cached_until_targets_change() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
@@ -75,14 +76,35 @@ def _tag(tags: Any, key: str) -> str:
     return "" if value == "-" else value  # the formatters' "no value"
 
 
+def _endpoint(c: Any) -> str:
+    """The upstream host of an entry's common properties ("ip:port", "[ip6]:port", "")."""
+    a = c.upstream_remote_address
+    if a.HasField("socket_address") and a.socket_address.address:
+        ip, port = a.socket_address.address, a.socket_address.port_value
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    if a.HasField("envoy_internal_address"):
+        return a.envoy_internal_address.server_listener_name
+    return ""
+
+
+def _duration_s(c: Any) -> float:
+    if c.HasField("duration"):
+        return float(c.duration.ToNanoseconds() / 1e9)
+    if c.HasField("time_to_last_downstream_tx_byte"):
+        return float(c.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e9)
+    return 0.0
+
+
 def parse_traffic_entry(entry: accesslog_pb2.TCPAccessLogEntry) -> Report:
     """A namespace listener's connection: the calling pod, chain, cluster, bytes, flags."""
     c = entry.common_properties
+    dst = c.downstream_local_address.socket_address
     return Report(listener=_tag(c.custom_tags, ALS_LISTENER_TAG), cluster=c.upstream_cluster,
                   chain=_tag(c.custom_tags, "chain"), flags=_tag(c.custom_tags, "flags"),
                   received=int(entry.connection_properties.received_bytes),
                   sent=int(entry.connection_properties.sent_bytes),
-                  dst_ip=c.downstream_local_address.socket_address.address)
+                  dst_ip=dst.address, dst_port=int(dst.port_value), endpoint=_endpoint(c),
+                  duration_s=_duration_s(c))
 
 
 def parse_request_entry(entry: accesslog_pb2.HTTPAccessLogEntry) -> Report:
@@ -92,12 +114,17 @@ def parse_request_entry(entry: accesslog_pb2.HTTPAccessLogEntry) -> Report:
     grpc = resp.response_trailers.get("grpc-status") or resp.response_headers.get("grpc-status", "")
     duration = (c.time_to_last_downstream_tx_byte.ToNanoseconds() / 1e9
                 if c.HasField("time_to_last_downstream_tx_byte") else 0.0)
+    dst = c.downstream_local_address.socket_address
     return Report(listener=_tag(c.custom_tags, ALS_LISTENER_TAG), cluster=c.upstream_cluster,
                   http=True, code=int(resp.response_code.value), grpc_status=grpc,
                   route=c.route_name, flags=_tag(c.custom_tags, "flags"),
                   duration_s=duration, chain=_tag(c.custom_tags, "chain"),
                   received=int(entry.request.request_body_bytes),
-                  sent=int(resp.response_body_bytes))
+                  sent=int(resp.response_body_bytes),
+                  dst_ip=dst.address, dst_port=int(dst.port_value), endpoint=_endpoint(c),
+                  method=base_pb2.RequestMethod.Name(entry.request.request_method)
+                  if entry.request.request_method else "",
+                  path=entry.request.path)
 
 
 def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:

@@ -123,16 +123,6 @@ log = logging.getLogger("agent.envoy.resources")
 SOL_SOCKET = 1
 SO_MARK = 36
 
-# %DOWNSTREAM_LOCAL_ADDRESS% is the original destination once original_dst has run (in the
-# internal listener: restored from the filter state the pod listener passed along).
-# ``listener=`` is the pod's capture listener (filter state), ``mesh=`` the internal one.
-ACCESS_LOG_FORMAT = (
-    f"[%START_TIME%] listener={CAPTURE_LISTENER_FORMAT} mesh=%LISTENER_NAME% "
-    "%DOWNSTREAM_REMOTE_ADDRESS% -> "
-    "%DOWNSTREAM_LOCAL_ADDRESS% upstream=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% "
-    "rx=%BYTES_RECEIVED% tx=%BYTES_SENT% dur=%DURATION%ms\n"
-)
-
 # HTTP (GAMMA HCM) chains log failed requests only: a 5xx or any response flag (UH no healthy
 # upstream, UF connect failure, UC upstream reset, NC no cluster, ...). A healthy request
 # costs nothing; a failure names its flags, details, route, cluster and x-request-id.
@@ -266,10 +256,6 @@ def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
     )
 
 
-def _access_log() -> accesslog_pb2.AccessLog:
-    return stdout_access_log(ACCESS_LOG_FORMAT)
-
-
 _HTTP_FAILURE_LOG: accesslog_pb2.AccessLog | None = None
 
 
@@ -316,7 +302,7 @@ def _grpc_access_log() -> accesslog_pb2.AccessLog:
 def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
                       ) -> listener_components_pb2.FilterChain:
     """The default chain: anything not a Service ClusterIP goes to its original destination.
-    ``connection_log`` adds the stdout line per connection (``aether-agent run --access-log``);
+    ``connection_log`` reports every connection to the agent (``aether-agent run --access-log``);
     ``learn_access_log`` streams every connection to the agent (see ``learn_chains`` for the
     narrow form the agent uses)."""
     return listener_components_pb2.FilterChain(
@@ -324,8 +310,9 @@ def passthrough_chain(learn_access_log: bool = True, connection_log: bool = Fals
 
 
 def _passthrough_proxy(learn: bool, connection_log: bool) -> listener_components_pb2.Filter:
-    """tcp_proxy to the ORIGINAL_DST cluster with the stdout line and/or the ALS stream."""
-    logs = (([_access_log()] if connection_log else [])
+    """tcp_proxy to the ORIGINAL_DST cluster with the access-log report (``--access-log``:
+    the agent writes it as a JSON record) and/or the learning stream."""
+    logs = (([traffic_access_log()] if connection_log else [])
             + ([_grpc_access_log()] if learn else []))
     return tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)
 

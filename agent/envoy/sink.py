@@ -70,7 +70,8 @@ class EnvoySink:
                  access_log: bool = False, identity: IdentityManager | None = None,
                  resilience: Resilience | None = None, traffic_metrics: bool = True) -> None:
         self.traffic_metrics = traffic_metrics  # every connection and request reported
-        self.access_log = access_log  # a stdout line per passthrough connection
+        # a JSON record per captured connection and HTTP request (agent.access logger)
+        self.access_log = access_log
         # outlier detection, connect retries, limits on every Service cluster
         self.resilience = resilience or Resilience()
         # the SVIDs of this node's identities (mTLS mesh hop); None: plaintext mesh
@@ -95,6 +96,9 @@ class EnvoySink:
             delta=delta))
         self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
+        if access_log:
+            access = logging.getLogger("agent.access")
+            self.xds.traffic.access_log = lambda rec: access.info("access", extra=rec)
         self.xds.on_nack = self._on_nack
         self.log_path = os.path.join(self.dir, "envoy.log")
         if concurrency <= 0:
@@ -346,7 +350,7 @@ class EnvoySink:
                              connection_log=self.access_log, learn_targets=self._learnable,
                              mesh_tls=self.identity.mesh_tls() if self.identity else None,
                              resilience=self.resilience,
-                             traffic_metrics=self.traffic_metrics)
+                             traffic_metrics=self.traffic_metrics or self.access_log)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:

@@ -53,6 +53,10 @@ class Report:
     sent: int = 0
     chain: str = ""  # the filter chain that carried it (HTTP chains end in "|http")
     dst_ip: str = ""  # the original destination
+    dst_port: int = 0
+    endpoint: str = ""  # the upstream host Envoy picked ("ip:port"; "" if none)
+    method: str = ""  # HTTP method, "" for a connection
+    path: str = ""  # HTTP path, "" for a connection
 
 
 @dataclass(frozen=True)
@@ -94,13 +98,38 @@ def code_class(code: int) -> str:
     return f"{code // 100}xx" if code else "none"
 
 
+def access_record(r: Report, src: Source) -> dict[str, object]:
+    """One access-log record (``aether-agent run --access-log``): who called what, where it
+    went, and how it ended; plain JSON-ready data."""
+    dst_ns, dst = destination(r.chain if r.http and r.chain.startswith("svc|") else r.cluster)
+    rec: dict[str, object] = {
+        "kind": "request" if r.http else "connection",
+        "listener": r.listener,
+        "src_namespace": src.namespace, "src_workload": src.workload, "src_pod": src.pod,
+        "dst": f"[{r.dst_ip}]:{r.dst_port}" if ":" in r.dst_ip else f"{r.dst_ip}:{r.dst_port}",
+        "dst_namespace": dst_ns, "dst_service": dst if dst_ns else "",
+        "cluster": r.cluster, "endpoint": r.endpoint, "flags": r.flags,
+        "duration_ms": round(r.duration_s * 1000, 3),
+        "bytes_received": r.received, "bytes_sent": r.sent,
+    }
+    if r.http:
+        rec.update(method=r.method, path=r.path, route=r.route, code=r.code,
+                   grpc_status=r.grpc_status)
+    return rec
+
+
 class TrafficTally:
-    """Request and connection counters by labels, at most ``max_series`` label sets."""
+    """Request and connection counters by labels, at most ``max_series`` label sets.
+
+    ``access_log``, when set, receives every report as an ``access_record`` (passthrough
+    connections included, which the counters leave to Envoy's own stats)."""
 
     def __init__(self, max_series: int = MAX_SERIES,
-                 resolve: Callable[[str], Source | None] | None = None) -> None:
+                 resolve: Callable[[str], Source | None] | None = None,
+                 access_log: Callable[[dict[str, object]], None] | None = None) -> None:
         self.max_series = max_series
         self.resolve = resolve  # capture listener name → Source
+        self.access_log = access_log
         self._lock = threading.Lock()
         self._requests: dict[Labels, _Requests] = {}
         self._tcp: dict[Labels, _Connections] = {}
@@ -119,6 +148,8 @@ class TrafficTally:
 
     def add(self, r: Report) -> None:
         src = self._source(r.listener)
+        if self.access_log is not None:
+            self.access_log(access_record(r, src))
         if not r.http and r.chain.endswith("|http"):
             return  # an HTTP chain's connection: its requests are counted one by one
         if not r.http and not r.cluster.startswith(("svc|", "pod|")):
