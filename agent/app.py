@@ -284,6 +284,8 @@ class Agent:
         if xds is not None:
             xds.traffic.resolve = self._traffic_source
             m.traffic_source = xds.traffic.snapshot
+        if hasattr(sink, "envoy_traffic"):
+            m.envoy_traffic_source = sink.envoy_traffic
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),
@@ -708,7 +710,12 @@ class Agent:
             xds = getattr(self.sink, "xds", None)
             if xds is None:
                 return {"ok": False, "msg": "no Envoy on this node: no traffic metrics"}
-            return {"ok": True, "traffic": xds.traffic.snapshot(), "at": time.time()}
+            snap = xds.traffic.snapshot()
+            try:  # Envoy's own figures: active connections, passthrough by class
+                snap["envoy"] = self.sink.envoy_traffic()  # type: ignore[attr-defined]
+            except (OSError, ValueError) as e:
+                snap["envoy_error"] = str(e)
+            return {"ok": True, "traffic": snap, "at": time.time()}
         if command == "uninstall":  # root only: the status socket is mode 0600
             report = self.release_all("aether-agent uninstall")
             self.options.envoy_on_exit = "stop"

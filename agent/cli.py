@@ -227,7 +227,7 @@ def top(
     per source workload on this node (like top; Ctrl-C ends it)."""
     import datetime
 
-    from agent.top import SORT_KEYS, render, table
+    from agent.top import SORT_KEYS, passthrough, render, table
     if sort not in SORT_KEYS:
         raise typer.BadParameter(f"--sort must be one of {', '.join(SORT_KEYS)}")
     if interval <= 0:
@@ -253,13 +253,15 @@ def top(
         after = sample()
         services = table(before, after, interval, "service", namespace, pod, sort)
         workloads = table(before, after, interval, "workload", namespace, pod, sort)
+        through = passthrough(before, after, interval)
         if as_json:
             print(json.dumps({"interval_s": interval,
                               "services": [r.to_json() for r in services],
-                              "workloads": [r.to_json() for r in workloads]}, indent=2))
+                              "workloads": [r.to_json() for r in workloads],
+                              "passthrough": through}, indent=2))
             return
         stamp = datetime.datetime.now().strftime("%H:%M:%S")
-        screen = render(services, workloads, interval, stamp)
+        screen = render(services, workloads, interval, stamp, through)
         if once:
             print(screen)
             return

@@ -239,6 +239,46 @@ class _TrafficCollector(Collector):
             "sets were already held (the cardinality cap).", value=float(snap.get("folded") or 0))
 
 
+class _EnvoyTrafficCollector(Collector):
+    """What Envoy's own stats hold (agent.envoy.envoy_stats): passthrough connections by
+    destination class, active connections per destination Service. Left out of the scrape
+    when Envoy's admin does not answer, never reported as 0."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        read = self._metrics.envoy_traffic_source
+        if read is None:
+            return
+        try:
+            figures = read()
+        except Exception as e:  # noqa: BLE001 - never fail the scrape
+            log.debug("envoy traffic stats failed: %s", e)
+            return
+        total = CounterMetricFamily(
+            "aether_passthrough_connections", "Connections from captured pods that no Service "
+            "chain took, by destination class: mesh (an in-mesh Service not in this node's "
+            "scope yet) or outside (everything else).", labels=["class"])
+        active = GaugeMetricFamily("aether_passthrough_active_connections",
+                                   "Passthrough connections open now, by destination class.",
+                                   labels=["class"])
+        for cls, v in sorted(figures["passthrough"].items()):
+            total.add_metric([cls], float(v["total"]))
+            active.add_metric([cls], float(v["active"]))
+        yield total
+        yield active
+        svc = GaugeMetricFamily("aether_service_active_connections",
+                                "Upstream connections open now to each destination Service "
+                                "(HTTP/2 streams share one).", labels=["dst_namespace", "dst_service"])
+        for name, n in sorted(figures["active"].items()):
+            svc.add_metric(name.split("/", 1), float(n))
+        yield svc
+
+
 class Metrics:
     """The agent's metrics; owners push CNI/xDS timings and register live sources."""
 
@@ -270,6 +310,9 @@ class Metrics:
         # the xDS server's TrafficTally.snapshot(), when the agent runs Envoy
         self.traffic_source: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_TrafficCollector(self))
+        # the sink's envoy_traffic(), when the agent runs Envoy
+        self.envoy_traffic_source: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_EnvoyTrafficCollector(self))
 
     def observe_cni(self, command: Any, seconds: float, outcome: str) -> None:
         """Record one CNI request; unknown commands are folded into `invalid`."""

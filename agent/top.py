@@ -1,5 +1,6 @@
 """`aether-agent top`: per destination Service and per source workload, requests/s, success
-rate, p50/p99 latency and connections, from two samples of the agent's traffic counters.
+rate, p50/p99 latency and connections, from two samples of the agent's traffic counters,
+plus Envoy's own figures (connections open per Service, passthrough by destination class).
 
 Pure: snapshots (``TrafficTally.snapshot()``) in, rows and text out; the CLI samples.
 """
@@ -23,6 +24,7 @@ class Row:
     connections: int = 0
     cps: float = 0.0  # TCP connections per second
     buckets: list[int] = field(default_factory=list)
+    active: int | None = None  # connections open now (Services; from Envoy's stats)
 
     @property
     def success(self) -> float | None:
@@ -72,7 +74,15 @@ def table(before: dict[str, Any], after: dict[str, Any], interval_s: float, by: 
     """Rows of ``after`` (cumulative counts, success and latency since the agent started),
     with rates from the change since ``before``."""
     old = _rows(before, by, namespace, pod)
-    rows = list(_rows(after, by, namespace, pod).values())
+    now = _rows(after, by, namespace, pod)
+    active = (after.get("envoy") or {}).get("active") or {}
+    if by == "service" and not pod and "envoy" in after:  # per Service, not per pod
+        for name in active:
+            if not namespace or name.split("/", 1)[0] == namespace:
+                now.setdefault(name, Row(name))
+        for row in now.values():
+            row.active = int(active.get(row.name, 0))
+    rows = list(now.values())
     for row in rows:
         prev = old.get(row.name)
         if interval_s > 0:
@@ -97,20 +107,42 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f}ms" if seconds >= 0.001 else "<1ms"
 
 
-def render(services: list[Row], workloads: list[Row], interval_s: float, stamp: str) -> str:
-    """The human screen: two tables, Services then source workloads."""
+def passthrough(before: dict[str, Any], after: dict[str, Any], interval_s: float
+                ) -> dict[str, dict[str, float]]:
+    """Passthrough connections by destination class: since start, per second, open now
+    (empty when the agent could not read Envoy's stats)."""
+    now = (after.get("envoy") or {}).get("passthrough") or {}
+    then = (before.get("envoy") or {}).get("passthrough") or {}
+    out = {}
+    for cls, v in sorted(now.items()):
+        prev = (then.get(cls) or {}).get("total", v["total"])
+        rate = max(0, v["total"] - prev) / interval_s if interval_s > 0 else 0.0
+        out[cls] = {"connections": v["total"], "cps": rate, "active": v["active"]}
+    return out
+
+
+def render(services: list[Row], workloads: list[Row], interval_s: float, stamp: str,
+           passthrough: dict[str, dict[str, float]] | None = None) -> str:
+    """The human screen: two tables, Services then source workloads, and a passthrough line."""
     def block(title: str, rows: list[Row]) -> list[str]:
-        head = [title, "RPS", "REQUESTS", "SUCCESS", "P50", "P99", "CONN/S", "CONNECTIONS"]
+        head = [title, "RPS", "REQUESTS", "SUCCESS", "P50", "P99", "CONN/S", "CONNECTIONS",
+                "ACTIVE"]
         body = [[r.name, f"{r.rps:.1f}", str(r.requests),
                  "-" if r.success is None else f"{r.success * 100:.1f}%",
                  _ms(quantile(r.buckets, 0.5) if r.buckets else None),
                  _ms(quantile(r.buckets, 0.99) if r.buckets else None),
-                 f"{r.cps:.1f}", str(r.connections)] for r in rows]
+                 f"{r.cps:.1f}", str(r.connections),
+                 "-" if r.active is None else str(r.active)] for r in rows]
         widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
         return lines if body else [*lines, "(no traffic yet)"]
 
+    tail = []
+    if passthrough:
+        tail = ["", "PASSTHROUGH (no Service chain)  " + "   ".join(
+            f"{cls}: {int(v['connections'])} connections, {v['cps']:.1f}/s, "
+            f"{int(v['active'])} open" for cls, v in passthrough.items())]
     return "\n".join([f"aether-agent top · {stamp} · rates over {interval_s:g}s, the rest since "
                       "the agent started", "", *block("DESTINATION SERVICE", services), "",
-                      *block("SOURCE WORKLOAD", workloads)])
+                      *block("SOURCE WORKLOAD", workloads), *tail])

@@ -150,3 +150,64 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
     finally:
         srv.shutdown()
         lst.close()
+
+
+def test_passthrough_classes_and_open_connections_come_from_envoys_stats(tnode: EnvoyNode
+                                                                           ) -> None:
+    """Passthrough connections (no Service chain) are counted by destination class from
+    Envoy's own stats, and a connection held open to a Service shows as active, in /metrics
+    and in `aether-agent top`."""
+    from agent.testing.netutil import dial, host_server
+    from integration.conftest import GW4
+
+    tnode.agent.write("svcs.yaml", [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
+         "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
+                  "ports": [{"name": "tcp", "port": 7000, "targetPort": 7000}]}}])
+    raw = tnode.pod(name="raw-0", labels={"app": "raw"})
+    caller = tnode.pod(name="caller-0", annotations={"aether.io/dependencies": "app/raw"})
+    for p in (raw, caller):
+        tnode.add(p)
+    lst = run_in_netns(raw.netns, lambda: socket.create_server(("0.0.0.0", 7000)))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(lst.accept()[0]), daemon=True).start()
+    srv, port = host_server()
+
+    def outside() -> float:
+        return _metric(tnode.agent.http("/metrics")[1], "aether_passthrough_connections_total",
+                       **{"class": "outside"})
+    try:
+        before = outside()
+        k = 5
+        for _ in range(k):
+            assert dial(caller.netns, GW4, port) == "direct"
+        _until(lambda: outside() - before == k, "passthrough connections not counted")
+        # a connection to the Service, held open
+        def connect() -> socket.socket | None:
+            try:
+                return run_in_netns(caller.netns,
+                                    lambda: socket.create_connection((RAW_IP, 7000), 3))
+            except OSError:
+                return None
+        c = _until(connect, "Service raw never accepted")
+
+        def active() -> float:
+            return _metric(tnode.agent.http("/metrics")[1], "aether_service_active_connections",
+                           dst_namespace="app", dst_service="raw")
+        _until(lambda: active() == 1, "the open connection is not active")
+        out = subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once", "--json",
+                              "--run-dir", tnode.agent.run_dir, "--interval", "0.5"],
+                             capture_output=True, text=True, check=True).stdout
+        doc = json.loads(out)
+        rows = {r["name"]: r for r in doc["services"]}
+        assert rows["app/raw"]["active"] == 1 and rows["app/raw"]["connections"] == 0
+        assert doc["passthrough"]["outside"]["connections"] >= k
+        c.close()  # half-closed until the server closes too (tcp_proxy relays the FIN)
+        for h in held:
+            h.close()
+        _until(lambda: active() == 0, "the closed connection is still active")
+    finally:
+        srv.close()
+        lst.close()
+        for h in held:
+            h.close()

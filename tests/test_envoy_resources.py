@@ -90,7 +90,7 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
     assert flt.name == "envoy.filters.network.tcp_proxy"
     tcp = tcp_proxy_pb2.TcpProxy()
     assert flt.typed_config.Unpack(tcp)
-    assert (tcp.stat_prefix, tcp.cluster) == ("passthrough", "passthrough")
+    assert (tcp.stat_prefix, tcp.cluster) == ("passthrough_outside", "passthrough")
     # no line per connection unless asked (`--access-log`): it costs more than the proxying
     assert [a.name for a in tcp.access_log] == ["envoy.access_loggers.tcp_grpc"]
     logged = _mesh(build_resources(replace(_state(PodListener("u1", "/n/1")),

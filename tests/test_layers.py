@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PURE = (
     "agent.capture", "agent.capture.explain", "agent.capture.policy", "agent.capture.rules",
     "agent.config", "agent.envoy.http_routes", "agent.envoy.mtls", "agent.envoy.pieces",
-    "agent.envoy.resources",
+    "agent.envoy.resources", "agent.envoy.envoy_stats", "agent.envoy.traffic", "agent.top",
     "agent.identity.svid",
     "agent.gamma.conditions", "agent.gamma.ownership", "agent.install.conflist",
     "agent.scope", "agent.scope.deps", "agent.scope.gamma", "agent.scope.model",

@@ -93,3 +93,52 @@ def test_the_metrics_sum_pods_into_workloads() -> None:
             'src_workload="a"} 2.0') in text
     assert ('aether_request_duration_seconds_count{dst_namespace="app",dst_service="web",'
             'src_namespace="app",src_workload="a"} 2.0') in text
+
+
+def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
+    from agent.envoy import envoy_stats
+    doc = {"stats": [
+        {"name": "tcp.passthrough_outside.downstream_cx_total", "value": 7},
+        {"name": "tcp.passthrough_outside.downstream_cx_active", "value": 1},
+        {"name": "tcp.passthrough_mesh.downstream_cx_total", "value": 2},
+        {"name": "cluster.svc|app|web|80.upstream_cx_active", "value": 3},
+        {"name": "cluster.svc|app|web|8080.upstream_cx_active", "value": 1},
+        {"name": "cluster.pod|app|db|10.0.0.5|5432.upstream_cx_active", "value": 2},
+        {"name": "cluster.passthrough.upstream_cx_active", "value": 9},  # not a Service
+        {"name": "tcp.capture.downstream_cx_total", "value": 99},  # not a class
+        {"histograms": {}}]}
+    got = envoy_stats.parse(doc)
+    assert got["passthrough"] == {"mesh": {"total": 2, "active": 0},
+                                  "outside": {"total": 7, "active": 1}}
+    assert got["active"] == {"app/web": 4, "app/db": 2}  # ports (and pods) summed
+    assert envoy_stats.parse({}) == envoy_stats.empty()
+    m = Metrics()
+    m.envoy_traffic_source = lambda: got
+    text = m.render().decode()
+    assert 'aether_passthrough_connections_total{class="outside"} 7.0' in text
+    assert 'aether_passthrough_active_connections{class="outside"} 1.0' in text
+    assert 'aether_service_active_connections{dst_namespace="app",dst_service="web"} 4.0' in text
+
+    def down() -> dict[str, object]:
+        raise OSError("admin gone")
+    m.envoy_traffic_source = down  # type: ignore[assignment]
+    assert "aether_passthrough_connections" not in m.render().decode()  # left out, not 0
+
+
+def test_top_shows_active_connections_and_passthrough() -> None:
+    from agent.top import passthrough
+    t = TrafficTally(resolve=_src)
+    t.add(Report("capture-a-1", "svc|app|db|5432", chain="svc|app|db|5432"))
+    before = {**t.snapshot(), "envoy": {"passthrough": {"outside": {"total": 10, "active": 0}},
+                                        "active": {}}}
+    after = {**t.snapshot(), "envoy": {"passthrough": {"outside": {"total": 14, "active": 2}},
+                                       "active": {"app/db": 1, "other/cache": 3}}}
+    rows = {r.name: r for r in table(before, after, 2.0, "service")}
+    # a Service with only a long-lived connection (nothing closed yet) still shows
+    assert rows["app/db"].active == 1 and rows["other/cache"].active == 3
+    assert set(r.name for r in table(before, after, 2.0, "service", namespace="app")) == {"app/db"}
+    assert all(r.active is None for r in table(before, after, 2.0, "workload"))
+    through = passthrough(before, after, 2.0)
+    assert through == {"outside": {"connections": 14, "cps": 2.0, "active": 2}}
+    screen = render(list(rows.values()), [], 2.0, "12:00:00", through)
+    assert "outside: 14 connections, 2.0/s, 2 open" in screen and "ACTIVE" in screen

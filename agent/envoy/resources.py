@@ -65,6 +65,7 @@ from google.protobuf.message import Message
 
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
+from agent.envoy.envoy_stats import PASSTHROUGH_STATS
 from agent.envoy.mtls import MeshTls
 from agent.envoy.pieces import (
     AGENT_GRPC_CLUSTER,
@@ -306,15 +307,18 @@ def passthrough_chain(learn_access_log: bool = True, connection_log: bool = Fals
     ``learn_access_log`` streams every connection to the agent (see ``learn_chains`` for the
     narrow form the agent uses)."""
     return listener_components_pb2.FilterChain(
-        name="passthrough", filters=[_passthrough_proxy(learn_access_log, connection_log)])
+        name="passthrough", filters=[_passthrough_proxy(learn_access_log, connection_log,
+                                                        PASSTHROUGH_STATS["outside"])])
 
 
-def _passthrough_proxy(learn: bool, connection_log: bool) -> listener_components_pb2.Filter:
+def _passthrough_proxy(learn: bool, connection_log: bool, stat_prefix: str
+                       ) -> listener_components_pb2.Filter:
     """tcp_proxy to the ORIGINAL_DST cluster with the access-log report (``--access-log``:
     the agent writes it as a JSON record) and/or the learning stream."""
     logs = (([traffic_access_log()] if connection_log else [])
             + ([_grpc_access_log()] if learn else []))
-    return tcp_proxy_filter("passthrough", PASSTHROUGH_CLUSTER, *logs)
+    # the stat prefix is the destination class (agent.envoy.envoy_stats counts them)
+    return tcp_proxy_filter(stat_prefix, PASSTHROUGH_CLUSTER, *logs)
 
 
 def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
@@ -335,7 +339,7 @@ def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = Fals
         match.destination_port.value = port
         out.append(listener_components_pb2.FilterChain(
             name=f"learn-{port}", filter_chain_match=match,
-            filters=[_passthrough_proxy(True, connection_log)]))
+            filters=[_passthrough_proxy(True, connection_log, PASSTHROUGH_STATS["mesh"])]))
     return tuple(out)
 
 

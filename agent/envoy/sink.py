@@ -77,6 +77,7 @@ class EnvoySink:
         # the SVIDs of this node's identities (mTLS mesh hop); None: plaintext mesh
         self.identity = identity
         self.hang_timeout = hang_timeout
+        self._envoy_traffic: tuple[float, dict[str, Any]] | None = None
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
         self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
@@ -307,6 +308,27 @@ class EnvoySink:
                 return True
             time.sleep(0.1)
         return False
+
+    def envoy_traffic(self) -> dict[str, Any]:
+        """Passthrough connections by destination class and active connections per Service,
+        from Envoy's own stats (``agent.envoy.envoy_stats``); reused for a second, so a
+        scrape and a ``top`` sample in the same second ask Envoy once. Raises OSError or
+        ValueError when Envoy's admin does not answer."""
+        import json
+        import urllib.parse
+
+        from agent.envoy import envoy_stats
+        from agent.envoy.supervisor import admin_request
+        cached = self._envoy_traffic
+        if cached is not None and time.monotonic() - cached[0] < 1.0:
+            return cached[1]
+        path = "/stats?format=json&filter=" + urllib.parse.quote(envoy_stats.STATS_FILTER)
+        code, body = admin_request(self.admin, "GET", path, timeout=1.0)
+        if code != 200:
+            raise ValueError(f"envoy admin answered {code} for its stats")
+        figures = envoy_stats.parse(json.loads(body))
+        self._envoy_traffic = (time.monotonic(), figures)
+        return figures
 
     def ready(self) -> bool:
         from agent.envoy.supervisor import admin_request

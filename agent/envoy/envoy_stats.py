@@ -1,0 +1,54 @@
+"""The traffic figures that Envoy's own stats already hold, read from its admin at scrape time
+instead of an access-log entry per connection (which costs as much as proxying it):
+
+* passthrough connections by destination class: ``mesh`` (a ClusterIP of an in-mesh Service
+  this node's scope does not hold yet: the learn chains) and ``outside`` (everything else:
+  addresses outside the mesh, whether in the cluster or not);
+* active upstream connections per destination Service (``cluster.svc|<ns>|<name>|<port>``).
+
+Pure: the admin's ``/stats?format=json`` document in, plain data out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# tcp_proxy stat prefixes of the passthrough chains (agent.envoy.resources)
+PASSTHROUGH_STATS = {"mesh": "passthrough_mesh", "outside": "passthrough_outside"}
+CLASSES = tuple(PASSTHROUGH_STATS)
+
+# the admin's ``/stats?format=json&filter=`` regex (the sink quotes it)
+STATS_FILTER = (r"^(tcp\.passthrough_(mesh|outside)\.downstream_cx_(total|active)"
+          r"|cluster\.(svc|pod)\|[^.]*\.upstream_cx_active)$")
+
+
+def empty() -> dict[str, Any]:
+    return {"passthrough": {c: {"total": 0, "active": 0} for c in CLASSES}, "active": {}}
+
+
+def parse(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"passthrough": {class: {"total", "active"}}, "active": {"<ns>/<svc>": n}}``;
+    a Service's ports (and a headless Service's per-pod clusters) are summed."""
+    out = empty()
+    by_prefix = {v: k for k, v in PASSTHROUGH_STATS.items()}
+    for s in doc.get("stats") or []:
+        if not isinstance(s, Mapping) or "value" not in s:
+            continue
+        name = str(s.get("name") or "")
+        try:
+            value = int(s["value"])
+        except (TypeError, ValueError):
+            continue
+        if name.startswith("tcp."):
+            _tcp, prefix, stat = name.split(".", 2)
+            cls = by_prefix.get(prefix)
+            if cls is not None:
+                key = "total" if stat == "downstream_cx_total" else "active"
+                out["passthrough"][cls][key] += value
+        elif name.startswith("cluster.") and name.endswith(".upstream_cx_active"):
+            parts = name[len("cluster."):-len(".upstream_cx_active")].split("|")
+            if len(parts) >= 4:
+                svc = f"{parts[1]}/{parts[2]}"
+                out["active"][svc] = out["active"].get(svc, 0) + value
+    return out
