@@ -57,6 +57,7 @@ def run(
     max_connections_per_service: Annotated[int, typer.Option(help="Connections (and pending/concurrent requests) per Service port through this node's proxy; 0: no limit.")] = 0,
     retry_budget_percent: Annotated[float, typer.Option(help="Retries a GAMMA route asks for may add at most this percentage of requests.")] = 20.0,
     traffic_metrics: Annotated[bool, typer.Option("--traffic-metrics/--no-traffic-metrics", help="Golden metrics (/metrics, aether-agent top): Envoy reports every connection and HTTP request to the agent.")] = True,
+    traffic_max_series: Annotated[int, typer.Option(help="Cardinality cap of the golden metrics: label sets held per node; past it, new ones are counted under 'other' (and the fold is counted).")] = 1000,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
@@ -130,6 +131,8 @@ def run(
         except IdentityError as e:
             raise typer.BadParameter(str(e)) from e
         identity = IdentityManager(provider, trust_domain)
+    if traffic_max_series < 1:
+        raise typer.BadParameter("--traffic-max-series must be at least 1")
     if envoy:
         from agent.envoy.resources import Resilience
         from agent.envoy.sink import EnvoySink
@@ -147,7 +150,8 @@ def run(
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,
                          cgroup=proxy.directory if proxy.ok else None, identity=identity,
-                         resilience=resilience, traffic_metrics=traffic_metrics)
+                         resilience=resilience, traffic_metrics=traffic_metrics,
+                         traffic_max_series=traffic_max_series)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):

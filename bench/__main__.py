@@ -27,6 +27,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
                     "quick": ["--quick"]},
     "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
     "h2_balance": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
+    "traffic_metrics": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
 }
 
 
@@ -199,9 +200,26 @@ def rows_h2_balance(d: dict[str, Any]) -> list[Row]:
     ]
 
 
+def rows_traffic_metrics(d: dict[str, Any]) -> list[Row]:
+    labels = {"http_keepalive": "HTTP Service, keep-alive (-c32), req/s",
+              "tcp_newconn": "L4 Service, new connection per request, req/s"}
+    out: list[Row] = []
+    for shape, label in labels.items():
+        s = d[shape]
+        lo, hi = (s["spread"] + [0.0, 0.0])[:2]
+        ok = s["ratio_median"] >= d["target"] and s["errors"] == 0
+        out.append(("traffic_metrics", f"traffic metrics on: {label}", f"{s['on_rps_median']:.0f}",
+                    f"off {s['off_rps_median']:.0f}",
+                    f"{s['ratio_median']:.3f}× (spread {lo:.3f}–{hi:.3f})",
+                    ("PASS" if ok else "MISS") + f" (≥ {d['target']:g}×)"))
+    out.append(("traffic_metrics", "HTTP requests counted by the metrics / sent by wrk (on)",
+                f"{d['http_requests_counted']:.0f}", f"sent {d['http_requests_sent']}", "-", "-"))
+    return out
+
+
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
-        "h2_balance": rows_h2_balance}
+        "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics}
 
 
 def machine() -> str:

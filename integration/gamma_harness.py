@@ -35,6 +35,7 @@ import yaml
 from agent.netns.enter import run_in_netns
 from agent.netns.pin import release_pin_dir
 from agent.testing.kubelet import Pod
+from agent.testing.netutil import ClosingHTTPServer
 
 PRODUCER_NS = "gamma"
 CONSUMER_NS = "consumer"
@@ -192,6 +193,9 @@ class EchoBackend:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # an idle kept-alive connection ends: a peer whose netns went away never sends FIN,
+            # and its handler thread would otherwise hold the socket for the process's lifetime
+            timeout = 20
             # headers and body are separate writes: without this, Nagle + delayed ACK costs
             # 40 ms per request on a kept-alive connection
             disable_nagle_algorithm = True
@@ -229,8 +233,7 @@ class EchoBackend:
             def log_message(self, *args: Any) -> None:
                 return
 
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
+        class Server(ClosingHTTPServer):
             allow_reuse_address = True
 
         self.server = run_in_netns(netns, lambda: Server(("0.0.0.0", port), Handler))
@@ -241,8 +244,7 @@ class EchoBackend:
             return list(self.log)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.shutdown()  # and every connection it accepted
 
 
 GRPC_METHODS = {"echo.Echo": ("Ping", "Other"), "other.Svc": ("Call",),

@@ -23,7 +23,7 @@ import yaml
 
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Kubelet, Pod
-from agent.testing.netutil import dial, host_server
+from agent.testing.netutil import ClosingHTTPServer, dial, host_server
 from integration.conftest import GW4, GW6, SUBNET4, EnvoyNode
 from integration.taps import carried as _carried
 from integration.taps import integrity as _integrity
@@ -121,11 +121,8 @@ class _Peers(http.server.BaseHTTPRequestHandler):
         return
 
 
-def _serve_in(netns: str, port: int) -> http.server.ThreadingHTTPServer:
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-    srv = run_in_netns(netns, lambda: Server(("0.0.0.0", port), _Peers))
+def _serve_in(netns: str, port: int) -> ClosingHTTPServer:
+    srv = run_in_netns(netns, lambda: ClosingHTTPServer(("0.0.0.0", port), _Peers))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
 

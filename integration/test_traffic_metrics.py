@@ -211,3 +211,43 @@ def test_passthrough_classes_and_open_connections_come_from_envoys_stats(tnode: 
         lst.close()
         for h in held:
             h.close()
+
+
+def test_the_cardinality_cap_folds_new_callers_on_the_real_path(workdir: str, bridge_name: str
+                                                               ) -> None:
+    """With the cap lowered to 3 label sets (`--traffic-max-series 3`; 1000 by default, held
+    under 1,200 callers in tests/test_access_log.py), five caller pods: at most 3 sets plus
+    'other' are exported, the fold is counted, and every request is still counted."""
+    with running(EnvoyNode(workdir, bridge_name, extra=["--traffic-max-series", "3"])) as n:
+        n.agent.write("svcs.yaml", [
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
+                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                                 "appProtocol": "http"}]}}])
+        web = n.pod(name="web-0", labels={"app": "web"})
+        n.add(web)
+        callers = [n.pod(name=f"caller{i}-0", annotations={"aether.io/dependencies": "app/web"})
+                   for i in range(5)]
+        for c in callers:
+            n.add(c)
+        srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
+        try:
+            for c in callers:
+                _until(lambda c=c: http_get_from(c.netns, WEB_IP, 80, count=1, timeout=3)[0][0]
+                       == 200, "Service web never answered")
+                assert [s for s, _h, _b in http_get_from(c.netns, WEB_IP, 80, count=2,
+                                                         timeout=5)] == [200, 200]
+
+            def total() -> float:
+                return _metric(n.agent.http("/metrics")[1], "aether_requests_total")
+            _until(lambda: total() >= 15, "not every request was counted")
+            time.sleep(1.5)
+            text = n.agent.http("/metrics")[1]
+            series = re.findall(r"^aether_requests_total\{(.*)\} \S+$", text, re.M)
+            workloads = {dict(re.findall(r'(\w+)="([^"]*)"', s))["src_workload"] for s in series}
+            assert "other" in workloads and len(workloads - {"other"}) <= 3, workloads
+            assert _metric(text, "aether_requests_total") == 15  # 5 callers x (1 + 2)
+            folded = re.search(r"^aether_traffic_folded_reports_total (\S+)$", text, re.M)
+            assert folded and float(folded.group(1)) >= 2
+        finally:
+            srv.shutdown()

@@ -74,3 +74,50 @@ def test_an_unknown_caller_is_still_logged() -> None:
     t = TrafficTally(access_log=records.append)
     t.add(Report("capture-gone", "svc|app|db|5432", chain="svc|app|db|5432"))
     assert records[0]["src_workload"] == "unknown" and records[0]["dst_service"] == "db"
+
+
+def test_a_thousand_distinct_callers_over_the_real_als_stream_hold_the_cap(tmp_path: object
+                                                                           ) -> None:
+    """1,200 distinct caller pods report requests over the agent's real gRPC access-log
+    service (the path Envoy uses): /metrics holds at most the default cap of label sets (1000)
+    plus the one 'other' set, the fold is counted, and no request is lost."""
+    import os
+    import re
+
+    import grpc
+    from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+    from agent.envoy.resources import REQUEST_LOG_NAME
+    from agent.envoy.xds import XdsServer
+    from agent.metrics import Metrics
+
+    sock = os.path.join(str(tmp_path), "xds.sock")
+    xds = XdsServer(sock)
+    callers = 1200
+    xds.traffic.resolve = lambda listener: Source("app", listener.removeprefix("capture-"),
+                                                  listener)
+    xds.start()
+    try:
+        def messages() -> object:
+            for batch in range(0, callers, 100):
+                msg = als_pb2.StreamAccessLogsMessage()
+                if batch == 0:
+                    msg.identifier.log_name = REQUEST_LOG_NAME
+                for i in range(batch, batch + 100):
+                    e = msg.http_logs.log_entry.add()
+                    _common(e.common_properties, "svc|app|web|80", "svc|app|web|80|http")
+                    e.common_properties.custom_tags["listener"] = f"capture-w{i}"
+                    e.response.response_code.value = 200
+                yield msg
+        with grpc.insecure_channel("unix:" + sock) as ch:
+            als_pb2_grpc.AccessLogServiceStub(ch).StreamAccessLogs(messages(), timeout=10)
+        m = Metrics()
+        m.traffic_source = xds.traffic.snapshot
+        text = m.render().decode()
+    finally:
+        xds.stop()
+    series = re.findall(r'^aether_requests_total\{.*src_workload="([^"]*)".*\} (\S+)$', text, re.M)
+    assert len(series) == 1000 + 1
+    assert sum(float(n) for _w, n in series) == callers  # nothing lost, only folded
+    assert dict(series)["other"] == str(float(callers - 1000))
+    assert f"aether_traffic_folded_reports_total {float(callers - 1000)}" in text

@@ -68,7 +68,8 @@ class EnvoySink:
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
                  hang_timeout: float = 15.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
-                 resilience: Resilience | None = None, traffic_metrics: bool = True) -> None:
+                 resilience: Resilience | None = None, traffic_metrics: bool = True,
+                 traffic_max_series: int = 1000) -> None:
         self.traffic_metrics = traffic_metrics  # every connection and request reported
         # a JSON record per captured connection and HTTP request (agent.access logger)
         self.access_log = access_log
@@ -97,6 +98,7 @@ class EnvoySink:
             delta=delta))
         self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
+        self.xds.traffic.max_series = traffic_max_series
         if access_log:
             access = logging.getLogger("agent.access")
             self.xds.traffic.access_log = lambda rec: access.info("access", extra=rec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import socket
 import struct
 import threading
@@ -121,15 +122,53 @@ def dial(netns: str, addr: str, port: int, mark: int | None = None,
     return run_in_netns(netns, work)
 
 
+class ClosingHTTPServer(http.server.ThreadingHTTPServer):
+    """A threading HTTP server whose ``shutdown`` also closes its listening socket and every
+    connection it accepted. A test process runs hundreds of these; a kept-alive connection
+    from an Envoy whose pod netns is gone never gets its FIN, so its handler thread would
+    hold the socket for the process's lifetime, and past 1024 fds libnftables (select())
+    refuses to load rules."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.server_close()
+        with self._open_lock:
+            conns = list(self._open)
+        for c in conns:  # wakes the handler blocked in recv; it closes the socket
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
     """An HTTP backend inside a pod netns that answers with its pod name and the request it
     saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on.
     ``/status/<code>`` answers that status (with the same body)."""
-    import http.server
     import json as _json
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # an idle kept-alive connection ends: a peer whose netns went away never sends FIN,
+        # and its handler thread would otherwise hold the socket for the process's lifetime
+        timeout = 20
 
         def _answer(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
@@ -157,15 +196,8 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
 
     fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
-    class Server(http.server.ThreadingHTTPServer):
+    class Server(ClosingHTTPServer):
         address_family = fam
-        daemon_threads = True
-
-        def shutdown(self) -> None:
-            """Stop serving and close the listening socket (a test process runs hundreds of
-            these; an fd left open each time ends with libnftables refusing fds ≥ 1024)."""
-            super().shutdown()
-            self.server_close()
 
     def make() -> Server:
         return Server((addr, port), Handler)
