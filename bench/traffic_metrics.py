@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
 from bench.envoy_common import ServerEnvoy, run_wrk
 
@@ -63,6 +65,22 @@ def _counted(agent: AgentProc) -> float:
         r'^aether_requests_total\{[^}]*dst_service="web"[^}]*\} (\S+)$', text, re.M))
 
 
+def _cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the agent itself, and of its node Envoy (a descendant)."""
+    agent = psutil.Process(pid)
+    t = agent.cpu_times()
+    own = t.user + t.system
+    envoy = 0.0
+    for child in agent.children(recursive=True):
+        try:
+            if child.name() == "envoy":
+                ct = child.cpu_times()
+                envoy += ct.user + ct.system
+        except psutil.Error:
+            continue
+    return own, envoy
+
+
 def one_node(workdir: str, mode: str, duration: float, tag: str) -> dict[str, Any]:
     """A fresh node with the agent in ``mode``; every shape measured once."""
     wd = os.path.join(workdir, tag)
@@ -92,8 +110,16 @@ def one_node(workdir: str, mode: str, duration: float, tag: str) -> dict[str, An
         for shape, (ip, new) in SHAPES.items():
             time.sleep(1.5)  # the warm-up's reports are in
             before = _counted(agent)
+            assert agent.proc is not None
+            cpu0 = _cpu(agent.proc.pid)
             got = run_wrk(client.netns_name, f"http://{ip}/", duration, new_connection=new)
+            cpu1 = _cpu(agent.proc.pid)
             out[shape] = got.to_json()
+            # CPU per request, µs: the agent (its share of the metrics) and the node Envoy
+            out[shape]["agent_cpu_us_per_request"] = round(
+                1e6 * (cpu1[0] - cpu0[0]) / max(1, got.requests), 2)
+            out[shape]["envoy_cpu_us_per_request"] = round(
+                1e6 * (cpu1[1] - cpu0[1]) / max(1, got.requests), 2)
             if shape == "http_keepalive" and mode == "on":
                 time.sleep(2.0)  # the access-log stream flushes about every second
                 out[shape]["requests_counted"] = _counted(agent) - before
@@ -128,7 +154,10 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                                                 if x["mode"] == "off"),
             "ratio_median": round(med, 3),
             "spread": [round(min(ratios), 3), round(max(ratios), 3)] if ratios else [],
-            "errors": errors}
+            "errors": errors,
+            **{f"{who}_cpu_us_per_request_{m}": statistics.median(
+                x[shape][f"{who}_cpu_us_per_request"] for x in runs if x["mode"] == m)
+               for who in ("agent", "envoy") for m in MODES}}
         met = met and med >= TARGET_RATIO and errors == 0
         print(f"{shape}: metrics on {out[shape]['on_rps_median']:.0f} req/s vs off "
               f"{out[shape]['off_rps_median']:.0f}: {med:.3f}× (spread {out[shape]['spread']})",

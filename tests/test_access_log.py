@@ -121,3 +121,49 @@ def test_a_thousand_distinct_callers_over_the_real_als_stream_hold_the_cap(tmp_p
     assert sum(float(n) for _w, n in series) == callers  # nothing lost, only folded
     assert dict(series)["other"] == str(float(callers - 1000))
     assert f"aether_traffic_folded_reports_total {float(callers - 1000)}" in text
+
+
+def test_the_batch_path_counts_what_the_full_parse_counts() -> None:
+    """The per-request fast path (raw keys, no Report) and the full parse agree, entry for
+    entry, on requests (status, gRPC status, flags, route, duration) and connections."""
+    from envoy.service.accesslog.v3 import als_pb2
+
+    from agent.envoy.als import AccessLogServicer
+    from agent.envoy.resources import REQUEST_LOG_NAME, TRAFFIC_LOG_NAME
+
+    def src(listener: str) -> Source:
+        return Source("app", listener[-1], listener)
+
+    msg = als_pb2.StreamAccessLogsMessage()
+    for i in range(60):
+        e = msg.http_logs.log_entry.add()
+        _common(e.common_properties, f"svc|app|v{i % 2}|80", "svc|app|web|80|http")
+        e.common_properties.custom_tags["listener"] = f"capture-{i % 3}"
+        e.common_properties.custom_tags["flags"] = "UF" if i % 7 == 0 else "-"
+        e.common_properties.route_name = f"r{i % 2}"
+        e.common_properties.time_to_last_downstream_tx_byte.FromMicroseconds(300 * i)
+        e.response.response_code.value = 503 if i % 5 == 0 else 200
+        if i % 4 == 0:
+            e.response.response_trailers["grpc-status"] = "14"
+    tcp = als_pb2.StreamAccessLogsMessage()
+    for i in range(9):
+        e = tcp.tcp_logs.log_entry.add()
+        _common(e.common_properties, "svc|app|db|5432" if i % 3 else "passthrough",
+                "svc|app|db|5432" if i % 3 else "passthrough")
+        e.connection_properties.received_bytes = i
+        e.connection_properties.sent_bytes = 2 * i
+    fast = TrafficTally(resolve=src)
+    servicer = AccessLogServicer(tally=fast)
+    servicer.handle(msg, REQUEST_LOG_NAME)
+    servicer.handle(tcp, TRAFFIC_LOG_NAME)
+    full = TrafficTally(resolve=src)
+    for e in msg.http_logs.log_entry:
+        full.add(parse_request_entry(e))
+    for t in tcp.tcp_logs.log_entry:
+        full.add(parse_traffic_entry(t))
+
+    def key(snap: dict[str, object]) -> object:
+        return {k: sorted(map(repr, v)) if isinstance(v, list) else v for k, v in snap.items()}
+    assert key(fast.snapshot()) == key(full.snapshot())
+    assert sum(r["count"] for r in fast.snapshot()["requests"]) == 60  # type: ignore[union-attr, index]
+    assert servicer.entries == 69

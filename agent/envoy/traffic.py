@@ -118,9 +118,21 @@ def access_record(r: Report, src: Source) -> dict[str, object]:
     return rec
 
 
+_OTHER_LABELS = Labels(OTHER, OTHER, OTHER, OTHER)
+
+# What identifies a report before its source is resolved, as plain tuples the access-log
+# handler builds without a Report per entry (the per-request path: agent.envoy.als).
+# request: (listener, chain, cluster, route, code, grpc_status, flags)
+RequestKey = tuple[str, str, str, str, int, str, str]
+# connection: (listener, chain, cluster, flags)
+ConnectionKey = tuple[str, str, str, str]
+
+
 class TrafficTally:
     """Request and connection counters by labels, at most ``max_series`` label sets.
 
+    A report's raw key is resolved to its labels (source pod and workload, destination
+    Service) the first time it is seen; after that a report costs one dict lookup.
     ``access_log``, when set, receives every report as an ``access_record`` (passthrough
     connections included, which the counters leave to Envoy's own stats)."""
 
@@ -133,6 +145,9 @@ class TrafficTally:
         self._lock = threading.Lock()
         self._requests: dict[Labels, _Requests] = {}
         self._tcp: dict[Labels, _Connections] = {}
+        # raw key → (its counters, whether they are the folded 'other' set)
+        self._req_slots: dict[RequestKey, tuple[_Requests, bool]] = {}
+        self._tcp_slots: dict[ConnectionKey, tuple[_Connections | None, bool]] = {}
         self.folded = 0
 
     def _source(self, listener: str) -> Source:
@@ -143,38 +158,81 @@ class TrafficTally:
         """A new label set: itself while under the cap, else the ``other`` set."""
         if len(self._requests) + len(self._tcp) < self.max_series:
             return labels
-        self.folded += 1
-        return Labels(OTHER, OTHER, OTHER, OTHER)
+        return _OTHER_LABELS
+
+    def _request_slot(self, key: RequestKey) -> _Requests:
+        """Under the lock: the counters a request key adds to (resolved once)."""
+        cached = self._req_slots.get(key)
+        if cached is not None:
+            self.folded += cached[1]  # folded keys stay folded; every report of one counts
+            return cached[0]
+        listener, chain, cluster, route, code, grpc, flags = key
+        src = self._source(listener)
+        # counted against the Service called (its chain), not the backend a route chose
+        dst_ns, dst = destination(chain if chain.startswith("svc|") else cluster)
+        labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, route,
+                        str(code or ""), grpc, flags)
+        if labels not in self._requests:
+            labels = self._fold(labels)
+        folded = labels is _OTHER_LABELS
+        self.folded += folded
+        slot = self._requests.setdefault(labels, _Requests())
+        if len(self._req_slots) < 4 * self.max_series:  # keys beyond are resolved each time
+            self._req_slots[key] = (slot, folded)
+        return slot
+
+    def _connection_slot(self, key: ConnectionKey) -> _Connections | None:
+        cached = self._tcp_slots.get(key)
+        if cached is not None:
+            self.folded += cached[1]
+            return cached[0]
+        listener, chain, cluster, flags = key
+        conn: _Connections | None = None
+        folded = False
+        # an HTTP chain's connection: its requests are counted one by one; and only Service
+        # chains are counted (passthrough is Envoy's own stats)
+        if not chain.endswith("|http") and cluster.startswith(("svc|", "pod|")):
+            src = self._source(listener)
+            dst_ns, dst = destination(cluster)
+            labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, flags=flags)
+            if labels not in self._tcp:
+                labels = self._fold(labels)
+            folded = labels is _OTHER_LABELS
+            self.folded += folded
+            conn = self._tcp.setdefault(labels, _Connections())
+        if len(self._tcp_slots) < 4 * self.max_series:
+            self._tcp_slots[key] = (conn, folded)
+        return conn
+
+    def add_requests(self, batch: list[tuple[RequestKey, float]]) -> None:
+        """Requests of one access-log message: (key, duration in seconds) each."""
+        with self._lock:
+            for key, duration_s in batch:
+                req = self._request_slot(key)
+                req.count += 1
+                req.buckets[bisect.bisect_left(BUCKETS, duration_s)] += 1
+                req.total_s += max(0.0, duration_s)
+
+    def add_connections(self, batch: list[tuple[ConnectionKey, int, int]]) -> None:
+        """Connections of one access-log message: (key, bytes received, bytes sent) each."""
+        with self._lock:
+            for key, received, sent in batch:
+                conn = self._connection_slot(key)
+                if conn is not None:
+                    conn.opened += 1
+                    conn.received += max(0, received)
+                    conn.sent += max(0, sent)
 
     def add(self, r: Report) -> None:
-        src = self._source(r.listener)
+        """One report (the access-log path, and tests): counted as the batches are."""
         if self.access_log is not None:
-            self.access_log(access_record(r, src))
-        if not r.http and r.chain.endswith("|http"):
-            return  # an HTTP chain's connection: its requests are counted one by one
-        if not r.http and not r.cluster.startswith(("svc|", "pod|")):
-            return  # not a Service connection (only Service chains report)
-        # an HTTP request is counted against the Service called (its chain), not the backend
-        # a route sent it to; a connection against the Service its cluster serves
-        dst_ns, dst = destination(r.chain if r.http and r.chain.startswith("svc|") else r.cluster)
-        with self._lock:
-            if r.http:
-                labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, r.route,
-                                str(r.code or ""), r.grpc_status, r.flags)
-                if labels not in self._requests:
-                    labels = self._fold(labels)
-                req = self._requests.setdefault(labels, _Requests())
-                req.count += 1
-                req.buckets[bisect.bisect_left(BUCKETS, r.duration_s)] += 1
-                req.total_s += max(0.0, r.duration_s)
-            else:
-                labels = Labels(src.namespace, src.workload, dst_ns, dst, src.pod, flags=r.flags)
-                if labels not in self._tcp:
-                    labels = self._fold(labels)
-                conn = self._tcp.setdefault(labels, _Connections())
-                conn.opened += 1
-                conn.received += max(0, r.received)
-                conn.sent += max(0, r.sent)
+            self.access_log(access_record(r, self._source(r.listener)))
+        if r.http:
+            self.add_requests([((r.listener, r.chain, r.cluster, r.route, r.code,
+                                 r.grpc_status, r.flags), r.duration_s)])
+        else:
+            self.add_connections([((r.listener, r.chain, r.cluster, r.flags),
+                                   r.received, r.sent)])
 
     def snapshot(self) -> dict[str, object]:
         """Plain data for ``/metrics``, ``status --json`` and ``aether-agent top``."""

@@ -105,7 +105,7 @@ class XdsServer:
         # requests and connections by source workload and destination Service (#19)
         self.traffic = TrafficTally()
         self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add,
-                                     on_traffic=self.traffic.add)
+                                     on_traffic=self.traffic.add, tally=self.traffic)
         self._builder = ResourceBuilder()
         self._publish_lock = threading.RLock()
         # type -> id(proto) -> (proto, hash): resources the builder reused are not
