@@ -281,11 +281,11 @@ class Agent:
             if xds is not None:
                 m.mesh_traffic_source = xds.inbound.status
         xds = getattr(sink, "xds", None)
-        if xds is not None:
-            xds.traffic.resolve = self._traffic_source
-            m.traffic_source = xds.traffic.snapshot
+        if xds is not None and xds.access_records is not None:
+            xds.access_records.resolve = self._traffic_source
         if hasattr(sink, "envoy_traffic"):
-            m.envoy_traffic_source = sink.envoy_traffic
+            m.traffic_source = sink.golden_traffic
+            m.envoy_traffic_source = sink.envoy_figures
         m.set_sources(
             pods_captured=lambda: float(len(self.store.all())),
             annotation_errors=lambda: float(self.handler.counters.annotation_errors),
@@ -710,11 +710,13 @@ class Agent:
             xds = getattr(self.sink, "xds", None)
             if xds is None:
                 return {"ok": False, "msg": "no Envoy on this node: no traffic metrics"}
-            snap = xds.traffic.snapshot()
-            try:  # Envoy's own figures: active connections, passthrough by class
-                snap["envoy"] = self.sink.envoy_traffic()  # type: ignore[attr-defined]
+            try:  # the golden metrics and Envoy's own figures, from Envoy's stats
+                figures = self.sink.envoy_traffic()  # type: ignore[attr-defined]
             except (OSError, ValueError) as e:
-                snap["envoy_error"] = str(e)
+                return {"ok": False, "msg": f"Envoy's stats are not readable now: {e}"}
+            snap = {**figures["golden"], "envoy": figures["envoy"],
+                    "pods": {p.key: f"{p.namespace}/{p.workload or p.name}"
+                             for p in self.store.all()}}
             return {"ok": True, "traffic": snap, "at": time.time()}
         if command == "uninstall":  # root only: the status socket is mode 0600
             report = self.release_all("aether-agent uninstall")

@@ -168,9 +168,8 @@ PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service"]
 
 
 class _TrafficCollector(Collector):
-    """Golden metrics (agent.envoy.traffic): requests, their durations, TCP connections and
-    bytes by source workload and destination Service. Source pods are summed away (a
-    workload's pods are one series)."""
+    """Golden metrics (counted in Envoy, agent.envoy.golden): requests, their durations, TCP
+    connections and bytes by source workload and destination Service."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -191,14 +190,16 @@ class _TrafficCollector(Collector):
             log.debug("traffic metrics failed: %s", e)
             return
         req: dict[tuple[str, ...], float] = {}
-        hist: dict[tuple[str, ...], tuple[list[int], float]] = {}
         for r in snap.get("requests") or []:
             pair = tuple(r[k] for k in PAIR_LABELS)
             code = int(r["code"]) if str(r["code"]).isdigit() else 0
             key = (*pair, r["route"], r["code"], code_class(code), r["grpc_status"], r["flags"])
             req[key] = req.get(key, 0) + r["count"]
-            b, total = hist.get(pair, ([0] * len(r["buckets"]), 0.0))
-            hist[pair] = ([x + y for x, y in zip(b, r["buckets"], strict=True)], total + r["sum_s"])
+        hist: dict[tuple[str, ...], tuple[list[int], float]] = {}
+        for d in snap.get("durations") or []:
+            pair = tuple(d[k] for k in PAIR_LABELS)
+            b, total = hist.get(pair, ([0] * len(d["buckets"]), 0.0))
+            hist[pair] = ([x + y for x, y in zip(b, d["buckets"], strict=True)], total + d["sum_s"])
         fam = CounterMetricFamily("aether_requests", "HTTP/gRPC requests from captured pods, "
                                   "by source workload, destination Service, route and outcome "
                                   "(HTTP status, gRPC status, Envoy response flags).",
@@ -209,7 +210,8 @@ class _TrafficCollector(Collector):
         bounds = [str(b) for b in snap.get("buckets") or []] + ["+Inf"]
         h = HistogramMetricFamily("aether_request_duration_seconds",
                                   "Request duration as the caller's proxy saw it (first request "
-                                  "byte to last response byte).", labels=PAIR_LABELS)
+                                  "byte to last response byte; Envoy flushes it every 5 s).",
+                                  labels=PAIR_LABELS)
         for pair, (buckets, total) in sorted(hist.items()):
             cum, acc = [], 0
             for bound, n in zip(bounds, buckets, strict=True):
@@ -235,8 +237,9 @@ class _TrafficCollector(Collector):
             yield f
         yield CounterMetricFamily(
             "aether_traffic_folded_reports",
-            f"Reports counted under 'other' labels because {snap.get('max_series')} label "
-            "sets were already held (the cardinality cap).", value=float(snap.get("folded") or 0))
+            f"Requests and connections counted under 'other' labels because "
+            f"{snap.get('max_series')} label sets were already held (the cardinality cap).",
+            value=float(snap.get("folded") or 0))
 
 
 class _EnvoyTrafficCollector(Collector):
@@ -307,7 +310,7 @@ class Metrics:
         # the xDS server's InboundTally.status(), when the agent runs Envoy
         self.mesh_traffic_source: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_MeshTrafficCollector(self))
-        # the xDS server's TrafficTally.snapshot(), when the agent runs Envoy
+        # the sink's golden_traffic() (Envoy's stats, capped), when the agent runs Envoy
         self.traffic_source: Callable[[], dict[str, Any]] | None = None
         self.registry.register(_TrafficCollector(self))
         # the sink's envoy_traffic(), when the agent runs Envoy

@@ -42,6 +42,7 @@ class CapturedPod:
     net_admin: bool = False
     redirect_all_default: bool = False  # the netconf's, so a live re-decision matches ADD's
     enrolled_live: bool = False  # captured by a label/annotation change, not by its ADD
+    workload: str = ""  # the pod's owner (its Deployment, StatefulSet...): the metrics' source
 
     @property
     def key(self) -> str:

@@ -2,7 +2,8 @@
 rate, p50/p99 latency and connections, from two samples of the agent's traffic counters,
 plus Envoy's own figures (connections open per Service, passthrough by destination class).
 
-Pure: snapshots (``TrafficTally.snapshot()``) in, rows and text out; the CLI samples.
+Pure: snapshots (``GoldenFold.snapshot()`` and Envoy's figures) in, rows and text out; the
+CLI samples.
 """
 
 from __future__ import annotations
@@ -39,10 +40,19 @@ class Row:
         return out
 
 
-def _keep(r: dict[str, Any], namespace: str | None, pod: str | None) -> bool:
+def _keep(r: dict[str, Any], namespace: str | None, workload: str | None) -> bool:
     if namespace and namespace not in (r.get("src_namespace"), r.get("dst_namespace")):
         return False
-    return not pod or f"{r.get('src_namespace')}/{r.get('src_pod')}" == pod
+    return not workload or f"{r.get('src_namespace')}/{r.get('src_workload')}" == workload
+
+
+def pod_workload(snap: dict[str, Any], pod: str | None) -> str | None:
+    """``--pod <ns>/<name>``: the workload it is counted under (requests and connections
+    are counted per workload in Envoy, so that pod churn does not grow its stats); the pod
+    itself when it is not captured here."""
+    if not pod:
+        return None
+    return str((snap.get("pods") or {}).get(pod) or pod)
 
 
 def _rows(snap: dict[str, Any], by: str, namespace: str | None, pod: str | None
@@ -51,19 +61,23 @@ def _rows(snap: dict[str, Any], by: str, namespace: str | None, pod: str | None
         return (f"{r['dst_namespace']}/{r['dst_service']}" if by == "service"
                 else f"{r['src_namespace']}/{r['src_workload']}")
 
+    workload = pod_workload(snap, pod)
     out: dict[str, Row] = {}
     for r in snap.get("requests") or []:
-        if not _keep(r, namespace, pod):
+        if not _keep(r, namespace, workload):
             continue
         row = out.setdefault(name(r), Row(name(r)))
         row.requests += r["count"]
         code = int(r["code"]) if str(r["code"]).isdigit() else 0
         if code >= 500 or code == 0:
             row.errors += r["count"]
-        row.buckets = ([a + b for a, b in zip(row.buckets, r["buckets"], strict=True)]
-                       if row.buckets else list(r["buckets"]))
+    for d in snap.get("durations") or []:
+        if _keep(d, namespace, workload):
+            row = out.setdefault(name(d), Row(name(d)))
+            row.buckets = ([a + b for a, b in zip(row.buckets, d["buckets"], strict=True)]
+                           if row.buckets else list(d["buckets"]))
     for r in snap.get("tcp") or []:
-        if _keep(r, namespace, pod):
+        if _keep(r, namespace, workload):
             out.setdefault(name(r), Row(name(r))).connections += r["connections"]
     return out
 

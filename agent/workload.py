@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -17,5 +18,5 @@ def workload_of(pod_name: str, obj: dict[str, Any] | None) -> str:
     if owner.get("kind") == "ReplicaSet":
         pth = str((meta.get("labels") or {}).get("pod-template-hash") or "")
         if pth and name.endswith(f"-{pth}"):
-            return name[: -len(pth) - 1]
-    return name
+            name = name[: -len(pth) - 1]
+    return sys.intern(name)  # one string for a workload's pods

@@ -6,14 +6,16 @@ Each (round, mode) gets a node of its own, made the same way: the agent and its 
 client pod and a server pod (a static 1 KiB `direct_response` Envoy) behind two Services on
 the same pod, and `wrk` in the client pod:
 
-* **http keep-alive**: Service `web` (`appProtocol: http`: the HTTP chain, one access-log
-  entry per request to the agent), `wrk -t2 -c32` over kept-alive connections;
-* **tcp new connection**: Service `raw` (no appProtocol: L4, one access-log entry per
+* **http keep-alive**: Service `web` (`appProtocol: http`: the HTTP chain, one tagged
+  histogram sample per request in Envoy), `wrk -t2 -c32` over kept-alive connections;
+* **tcp new connection**: Service `raw` (no appProtocol: L4, three tagged counters per
   connection), `wrk -t2 -c32 -H 'Connection: close'`: a connection per request.
 
 Modes alternate (AB, BA) over rounds; the on/off ratio is taken within a round and the
 median over rounds is reported with its spread. Target: metrics on ≥ 0.95× metrics off for
-both shapes. The "on" runs also check the metrics counted what wrk sent (requests_counted).
+both shapes. The "on" runs also check the metrics counted what wrk sent (requests_counted;
+it may exceed wrk's count by the requests in flight when wrk stops, at most 32). CPU per
+request of the agent and of the node Envoy is reported beside each figure.
 Root only; needs `wrk`. Everything is torn down on exit.
 """
 
@@ -34,6 +36,7 @@ from bench.envoy_common import ServerEnvoy, run_wrk
 NS = "bench"
 SERVER_PORT = 8080
 TARGET_RATIO = 0.95
+FLUSH_S = 5.5  # Envoy's stats flush (5 s): its request histograms are merged then
 WEB_IP, RAW_IP = "10.96.216.10", "10.96.216.11"
 SHAPES = {"http_keepalive": (WEB_IP, False), "tcp_newconn": (RAW_IP, True)}
 MODES = {"on": [], "off": ["--no-traffic-metrics"]}
@@ -108,7 +111,8 @@ def one_node(workdir: str, mode: str, duration: float, tag: str) -> dict[str, An
                     raise RuntimeError(f"{ip} never answered through the capture")
         out: dict[str, Any] = {"mode": mode}
         for shape, (ip, new) in SHAPES.items():
-            time.sleep(1.5)  # the warm-up's reports are in
+            if mode == "on":  # the warm-up's requests are in (Envoy merges histograms every 5 s)
+                time.sleep(FLUSH_S)
             before = _counted(agent)
             assert agent.proc is not None
             cpu0 = _cpu(agent.proc.pid)
@@ -121,7 +125,7 @@ def one_node(workdir: str, mode: str, duration: float, tag: str) -> dict[str, An
             out[shape]["envoy_cpu_us_per_request"] = round(
                 1e6 * (cpu1[1] - cpu0[1]) / max(1, got.requests), 2)
             if shape == "http_keepalive" and mode == "on":
-                time.sleep(2.0)  # the access-log stream flushes about every second
+                time.sleep(FLUSH_S)
                 out[shape]["requests_counted"] = _counted(agent) - before
         return out
     finally:

@@ -20,6 +20,7 @@ from agent.testing.netutil import http_echo_server, http_get_from
 from integration.conftest import EnvoyNode, running, until
 
 WEB_IP, RAW_IP = "10.96.72.10", "10.96.72.11"
+FLUSH_S = 5.5  # Envoy's stats flush interval (5 s) and a margin
 
 
 @pytest.fixture
@@ -58,9 +59,8 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
     raw = tnode.pod(name="raw-0", labels={"app": "raw"})
     caller = tnode.pod(name="caller-7d9f-abcde", labels={"pod-template-hash": "7d9f"},
                        annotations={"aether.io/dependencies": "app/web,app/raw"})
-    for p in (web, raw, caller):
-        tnode.add(p)
     # the caller's owner, as the API reports it: ReplicaSet caller-7d9f of Deployment caller
+    # (known at ADD: the source the pod's traffic is counted under is fixed then)
     tnode.agent.write(f"pod-{caller.namespace}-{caller.name}.yaml", [{
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": caller.name, "namespace": "app", "uid": caller.uid,
@@ -69,6 +69,8 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
                      "ownerReferences": [{"kind": "ReplicaSet", "name": "caller-7d9f",
                                           "controller": True}]},
         "spec": {"nodeName": "test-node"}}])
+    for p in (web, raw, caller):
+        tnode.add(p)
     srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
     lst = run_in_netns(raw.netns, lambda: socket.create_server(("0.0.0.0", 7000)))
 
@@ -87,9 +89,15 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
         # the Services' config reaches Envoy shortly after the pods' ADDs (not awaited)
         _until(lambda: http_get_from(caller.netns, WEB_IP, 80, count=1, timeout=3)[0][0] == 200,
                "Service web never answered")
-        _until(lambda: _metric(tnode.agent.http("/metrics")[1], "aether_requests_total",
-                               src_workload="caller") >= 1, "no request was counted at all")
-        time.sleep(1.5)  # every report of the warm-up is in before the baseline is read
+        try:
+            _until(lambda: _metric(tnode.agent.http("/metrics")[1], "aether_requests_total",
+                                   src_workload="caller") >= 1, "no request was counted at all")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nEnvoy: {tnode.admin('/stats/prometheus?filter=aether')}"
+                                 ) from None
+        # requests are counted by a histogram, merged on Envoy's stats flush (every 5 s):
+        # past one flush every warm-up request is in the baseline
+        time.sleep(FLUSH_S)
         text0 = tnode.agent.http("/metrics")[1]
         n, k, m = 20, 6, 7
         got = http_get_from(caller.netns, WEB_IP, 80, count=n - k, timeout=5)
@@ -111,6 +119,7 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
         def settled() -> str | None:
             text = tnode.agent.http("/metrics")[1]
             ok = (delta(text, "aether_requests_total", dst_service="web") == n
+                  and delta(text, "aether_request_duration_seconds_count", dst_service="web") == n
                   and delta(text, "aether_tcp_connections_total", dst_service="raw") == m)
             return text if ok else None
 
@@ -124,7 +133,7 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
             _until(settled, "the counters never reached N requests and M connections")
         except AssertionError as e:
             raise AssertionError(f"{e}\n{evidence()}") from None
-        time.sleep(1.5)  # another flush: nothing more may arrive
+        time.sleep(FLUSH_S)  # another flush: nothing more may arrive
         text = tnode.agent.http("/metrics")[1]
         assert delta(text, "aether_requests_total", dst_service="web") == n
         assert delta(text, "aether_requests_total", dst_service="web", code="503") == k

@@ -75,6 +75,8 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
         ("envoy.filters.listener.original_dst.local_ip", "%DOWNSTREAM_LOCAL_ADDRESS%", "", 1),
         ("envoy.filters.listener.original_dst.remote_ip", "%DOWNSTREAM_REMOTE_ADDRESS%", "", 1),
         ("aether.capture_listener", "capture-u1", "envoy.string", 1),
+        # the golden metrics' source: <namespace>/<workload> (here no workload: the uid)
+        ("aether.source", "default/u1", "envoy.string", 1),
         # TRANSITIVE (2): crosses the internal listener to the final upstream's bind
         ("envoy.network.upstream_bind_override.network_namespace", "/var/run/aether/netns/u1",
          "envoy.string", 2)]
@@ -137,8 +139,9 @@ def test_pod_listener_size_does_not_depend_on_services() -> None:
 
 def test_namespace_listener_bytes_equal_the_proto() -> None:
     view = _view()
-    from agent.envoy.resources import Resilience
-    chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts, request_log=True)
+    from agent.envoy.resources import Resilience, TrafficLogs
+    chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts,
+                        logs=TrafficLogs())
               for p in view.ports]
     raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"]
     proto = build_namespace_listener("default", chains)
@@ -416,7 +419,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str | None] = []
 
     def chain(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None, connect_attempts: int = 1, request_log: bool = False) -> Any:
+              gamma: Any = None, connect_attempts: int = 1, logs: Any = None) -> Any:
         calls.append(caller_ns)
         c = r.service_chain(view, port)
         c.name = f"{c.name}|{caller_ns}"

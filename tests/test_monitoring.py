@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from agent.envoy.traffic import Report, Source, TrafficTally
+from agent.envoy.golden import GoldenFold, parse_prometheus
 from agent.metrics import LIVE, Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,11 +24,11 @@ def _exported() -> dict[str, set[str]]:
     with every source wired to plain data, rendered."""
     m = Metrics()
     m.set_sources(**{k: (lambda: 1.0) for k in LIVE})
-    t = TrafficTally(resolve=lambda _l: Source("app", "web", "web-0"))
-    t.add(Report("capture-x", "svc|app|db|80", http=True, code=503, grpc_status="14",
-                 chain="svc|app|db|80|http", route="r", flags="UF", duration_s=0.01))
-    t.add(Report("capture-x", "svc|app|db|5432", chain="svc|app|db|5432", flags="UF"))
-    m.traffic_source = t.snapshot
+    from tests.test_traffic import prom
+    snap = GoldenFold().snapshot(parse_prometheus(prom(
+        requests=[("app/web", "svc|app|db|80|http", "r", "503", "Unavailable", "UF", [10000])],
+        tcp=[("app/web", "svc|app|db|5432", "UF", 1, 1, 1)])))
+    m.traffic_source = lambda: snap
     m.envoy_traffic_source = lambda: {"passthrough": {"mesh": {"total": 1, "active": 0}},
                                       "active": {"app/db": 1}}
     m.identity_source = lambda: {"svids": [{"identity": "app/web", "seconds_left": 5}],

@@ -1,53 +1,84 @@
-"""Golden traffic metrics: the tally (agent.envoy.traffic), workloads, `top` rows, /metrics."""
+"""Golden traffic metrics: Envoy's tagged stats read back and capped
+(agent.envoy.golden), workloads, `top` rows, /metrics."""
 
 from __future__ import annotations
 
-from agent.envoy.traffic import (
-    BUCKETS,
-    OTHER,
-    Report,
-    Source,
-    TrafficTally,
-    destination,
-    quantile,
-)
+from collections.abc import Sequence
+
+from agent.envoy.golden import GoldenFold, Series, parse_prometheus
+from agent.envoy.traffic import BUCKETS, OTHER, destination, quantile
 from agent.metrics import Metrics
 from agent.top import render, table
 from agent.workload import workload_of
 
 
-def _src(listener: str) -> Source | None:
-    return Source("app", listener.removeprefix("capture-").split("-")[0], listener)
+def prom(requests: Sequence[tuple[str, str, str, str, str, str, Sequence[float]]] = (),
+         tcp: Sequence[tuple[str, str, str, int, int, int]] = ()) -> str:
+    """What Envoy's admin answers on /stats/prometheus?filter=^aether for these series:
+    requests (src, chain, route, code, grpc, flags, their durations in µs), connections
+    (src, chain, flags, connections, rx, tx)."""
+    from agent.envoy.golden import DURATION_BUCKETS_US
+    lines = ["# TYPE envoy_aether_request_duration histogram"]
+    for src, chain, route, code, grpc, flags, values in requests:
+        tags = (f'src="{src}",chain="{chain}",route="{route}",code="{code}",grpc="{grpc}",'
+                f'flags="{flags}"')
+        for b in DURATION_BUCKETS_US:
+            lines.append(f'envoy_aether_request_duration_bucket{{{tags},le="{b}"}} '
+                         f"{sum(1 for v in values if v <= b)}")
+        lines.append(f'envoy_aether_request_duration_bucket{{{tags},le="+Inf"}} {len(values)}')
+        lines.append(f"envoy_aether_request_duration_sum{{{tags}}} {sum(values)}")
+        lines.append(f"envoy_aether_request_duration_count{{{tags}}} {len(values)}")
+    for name, i in (("tcp_connections", 3), ("tcp_received_bytes", 4), ("tcp_sent_bytes", 5)):
+        lines.append(f"# TYPE envoy_aether_{name} counter")
+        for t in tcp:
+            lines.append(f'envoy_aether_{name}{{src="{t[0]}",chain="{t[1]}",flags="{t[2]}"}} {t[i]}')
+    lines.append('envoy_cluster_upstream_rq{envoy_cluster_name="x"} 5')  # not ours
+    return "\n".join(lines) + "\n"
 
 
-def test_requests_connections_and_what_is_not_counted() -> None:
-    t = TrafficTally(resolve=_src)
-    for code, dur in ((200, 0.002), (200, 0.004), (503, 0.2)):
-        t.add(Report("capture-a-1", "svc|app|v2|80", http=True, code=code, duration_s=dur,
-                     chain="svc|app|web|80|http", route="r|0|0"))
-    t.add(Report("capture-a-1", "svc|app|db|5432", received=10, sent=20, chain="svc|app|db|5432"))
-    t.add(Report("capture-a-1", "svc|app|web|80", chain="svc|app|web|80|http"))  # its requests count
-    t.add(Report("capture-a-1", "passthrough", chain="passthrough"))  # not a Service
-    snap = t.snapshot()
-    reqs = {(r["dst_service"], r["code"]): r for r in snap["requests"]}
-    # counted against the Service called (the chain), not the route's backend
-    assert set(reqs) == {("web", "200"), ("web", "503")}
-    assert reqs[("web", "200")]["count"] == 2 and reqs[("web", "200")]["src_workload"] == "a"
-    assert sum(reqs[("web", "200")]["buckets"]) == 2
-    assert [r["connections"] for r in snap["tcp"]] == [1]
-    assert snap["tcp"][0]["received_bytes"] == 10 and snap["tcp"][0]["dst_service"] == "db"
+def test_envoys_series_become_labelled_requests_durations_and_connections() -> None:
+    text = prom(
+        requests=[("app/a", "svc|app|web|80|http", "r|0|0", "200", "-", "-", [2000, 4000]),
+                  ("app/a", "svc|app|web|80|http", "r|0|0", "503", "-", "UF", [200000]),
+                  ("app/a", "svc|app|rpc|9000|http", "-", "200", "Unavailable", "-", [1] * 4),
+                  ("-", "svc|app|web|80|http", "-", "0", "-", "DC", [5])],
+        tcp=[("app/a", "svc|app|db|5432", "-", 3, 10, 20)])
+    snap = GoldenFold().snapshot(parse_prometheus(text))
+    reqs = {(r["src_workload"], r["dst_service"], r["code"], r["grpc_status"], r["flags"]):
+            r["count"] for r in snap["requests"]}  # type: ignore[attr-defined]
+    # counted against the Service called (the chain); gRPC names become their numbers;
+    # "-" (no value) is empty; an unknown source is "unknown", no response is code ""
+    assert reqs == {("a", "web", "200", "", ""): 2, ("a", "web", "503", "", "UF"): 1,
+                    ("a", "rpc", "200", "14", ""): 4, ("unknown", "web", "", "", "DC"): 1}
+    web = {(d["src_workload"], d["dst_service"]): d for d in snap["durations"]}  # type: ignore[attr-defined]
+    d = web[("a", "web")]  # the pair's histogram: every status summed
+    assert (sum(d["buckets"]), d["sum_s"]) == (3, 0.206)
+    assert d["buckets"][BUCKETS.index(0.0025)] == 1 and d["buckets"][BUCKETS.index(0.25)] == 1
+    (t,) = snap["tcp"]  # type: ignore[misc]
+    assert (t["dst_service"], t["connections"], t["received_bytes"], t["sent_bytes"]) == (
+        "db", 3, 10, 20)
 
 
 def test_the_cap_holds_under_a_thousand_distinct_callers() -> None:
-    t = TrafficTally(max_series=100, resolve=_src)
-    for i in range(1500):
-        t.add(Report(f"capture-w{i}-x", "svc|app|web|80", http=True, code=200,
-                     chain="svc|app|web|80|http"))
-    snap = t.snapshot()
-    assert len(snap["requests"]) == 101  # the cap, and the one "other" series
-    other = [r for r in snap["requests"] if r["src_workload"] == OTHER]
-    assert other[0]["count"] == 1400 and snap["folded"] == 1400
-    assert sum(r["count"] for r in snap["requests"]) == 1500  # nothing lost, only folded
+    """1,200 distinct caller workloads: at most the cap's label sets plus 'other'; the fold
+    is counted; nothing is lost; a kept set stays kept (its counter stays monotonic)."""
+    callers = 1200
+    fold = GoldenFold()  # the default cap: 1000
+    text = prom(requests=[(f"app/w{i:04d}", "svc|app|web|80|http", "-", "200", "-", "-",
+                           [1000, 1000]) for i in range(callers)])
+    snap = fold.snapshot(parse_prometheus(text))
+    rows = snap["requests"]  # type: ignore[assignment]
+    assert len(rows) == 1000 + 1
+    other = [r for r in rows if r["src_workload"] == OTHER]
+    assert other[0]["count"] == 2 * (callers - 1000) and snap["folded"] == 2 * (callers - 1000)
+    assert sum(r["count"] for r in rows) == 2 * callers  # nothing lost, only folded
+    kept = {r["src_workload"] for r in rows} - {OTHER}
+    # a later scrape with a new caller ahead in sort order keeps the same sets
+    again = fold.snapshot(parse_prometheus(prom(requests=[
+        ("app/a-new", "svc|app|web|80|http", "-", "200", "-", "-", [1]),
+        *[(f"app/w{i:04d}", "svc|app|web|80|http", "-", "200", "-", "-", [1, 1, 1])
+          for i in range(callers)]])))
+    assert {r["src_workload"] for r in again["requests"]} - {OTHER} == kept  # type: ignore[attr-defined]
 
 
 def test_workload_names_and_destinations() -> None:
@@ -65,34 +96,37 @@ def test_workload_names_and_destinations() -> None:
 
 
 def test_top_rates_success_and_latency() -> None:
-    t = TrafficTally(resolve=_src)
-    before = t.snapshot()
-    for i in range(10):
-        t.add(Report("capture-a-1", "svc|app|web|80", http=True, code=500 if i < 2 else 200,
-                     duration_s=0.003, chain="svc|app|web|80|http"))
-    after = t.snapshot()
+    fold = GoldenFold()
+    before = fold.snapshot(Series())
+    text = prom(requests=[("app/a", "svc|app|web|80|http", "-", "500", "-", "-", [3000] * 2),
+                          ("app/a", "svc|app|web|80|http", "-", "200", "-", "-", [3000] * 8)])
+    after = fold.snapshot(parse_prometheus(text))
     (row,) = table(before, after, 2.0, "service")
     assert (row.name, row.requests, row.errors, row.rps) == ("app/web", 10, 2, 5.0)
     assert row.success == 0.8 and quantile(row.buckets, 0.5) == 0.005
     assert table(before, after, 2.0, "service", pod="app/nobody") == []
+    # --pod: the pod's workload (traffic is counted per workload)
+    assert len(table(before, {**after, "pods": {"app/a-7f-x": "app/a"}}, 2.0, "service",
+                     pod="app/a-7f-x")) == 1
     screen = render([row], table(before, after, 2.0, "workload"), 2.0, "12:00:00")
     assert "app/web" in screen and "80.0%" in screen and "app/a" in screen
     assert len(BUCKETS) + 1 == len(row.buckets)
 
 
-def test_the_metrics_sum_pods_into_workloads() -> None:
-    t = TrafficTally(resolve=_src)
-    for pod in ("capture-a-1", "capture-a-2"):
-        t.add(Report(pod, "svc|app|web|80", http=True, code=200, duration_s=0.01,
-                     chain="svc|app|web|80|http"))
+def test_the_metrics_export_the_snapshot() -> None:
+    text = prom(requests=[("app/a", "svc|app|web|80|http", "-", "200", "-", "-",
+                           [10000, 10000])])
     m = Metrics()
-    m.traffic_source = t.snapshot
-    text = m.render().decode()
+    snap = GoldenFold().snapshot(parse_prometheus(text))
+    m.traffic_source = lambda: snap
+    out = m.render().decode()
     assert ('aether_requests_total{code="200",code_class="2xx",dst_namespace="app",'
             'dst_service="web",grpc_status="",response_flags="",route="",src_namespace="app",'
-            'src_workload="a"} 2.0') in text
+            'src_workload="a"} 2.0') in out
     assert ('aether_request_duration_seconds_count{dst_namespace="app",dst_service="web",'
-            'src_namespace="app",src_workload="a"} 2.0') in text
+            'src_namespace="app",src_workload="a"} 2.0') in out
+    assert ('aether_request_duration_seconds_bucket{dst_namespace="app",dst_service="web",'
+            'le="0.01",src_namespace="app",src_workload="a"} 2.0') in out
 
 
 def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
@@ -127,12 +161,12 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
 
 def test_top_shows_active_connections_and_passthrough() -> None:
     from agent.top import passthrough
-    t = TrafficTally(resolve=_src)
-    t.add(Report("capture-a-1", "svc|app|db|5432", chain="svc|app|db|5432"))
-    before = {**t.snapshot(), "envoy": {"passthrough": {"outside": {"total": 10, "active": 0}},
-                                        "active": {}}}
-    after = {**t.snapshot(), "envoy": {"passthrough": {"outside": {"total": 14, "active": 2}},
-                                       "active": {"app/db": 1, "other/cache": 3}}}
+    snap = GoldenFold().snapshot(parse_prometheus(prom(tcp=[("app/a", "svc|app|db|5432", "-",
+                                                                1, 0, 0)])))
+    before = {**snap, "envoy": {"passthrough": {"outside": {"total": 10, "active": 0}},
+                                "active": {}}}
+    after = {**snap, "envoy": {"passthrough": {"outside": {"total": 14, "active": 2}},
+                               "active": {"app/db": 1, "other/cache": 3}}}
     rows = {r.name: r for r in table(before, after, 2.0, "service")}
     # a Service with only a long-lived connection (nothing closed yet) still shows
     assert rows["app/db"].active == 1 and rows["other/cache"].active == 3

@@ -450,6 +450,7 @@ class CniHandler:
             captured_at=time.time(),
             net_admin=pod.net_admin,
             redirect_all_default=self._redirect_all_default(req["netconf"]),
+            workload=pod.workload,
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         try:

@@ -24,7 +24,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from agent.envoy.mesh_traffic import InboundConnection
 from agent.envoy.mtls import INBOUND_ALS_LOG_NAME, INBOUND_LISTENER_TAG
 from agent.envoy.resources import ALS_LISTENER_TAG, ALS_LOG_NAME, REQUEST_LOG_NAME, TRAFFIC_LOG_NAME
-from agent.envoy.traffic import ConnectionKey, Report, RequestKey, TrafficTally
+from agent.envoy.traffic import Report
 
 # on_access(listener_name, dst_ip, dst_port); listener_name is "" if Envoy sent none.
 AccessCallback = Callable[[str, str, int], None]
@@ -127,35 +127,6 @@ def parse_request_entry(entry: accesslog_pb2.HTTPAccessLogEntry) -> Report:
                   path=entry.request.path)
 
 
-def _flags(tags: Any) -> str:
-    value: str = tags.get("flags", "")
-    return "" if value == "-" else value
-
-
-def request_key(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[RequestKey, float]:
-    """What the metrics need of an HTTP entry, read field by field with no Report made: the
-    per-request path, a few µs instead of a full parse (``parse_request_entry``)."""
-    c = entry.common_properties
-    tags = c.custom_tags
-    resp = entry.response
-    grpc = ""
-    if len(resp.response_trailers) or len(resp.response_headers):
-        grpc = (resp.response_trailers.get("grpc-status")
-                or resp.response_headers.get("grpc-status", ""))
-    d = c.time_to_last_downstream_tx_byte
-    return ((tags.get(ALS_LISTENER_TAG, ""), tags.get("chain", ""), c.upstream_cluster,
-             c.route_name, resp.response_code.value, grpc, _flags(tags)),
-            d.seconds + d.nanos * 1e-9)
-
-
-def connection_key(entry: accesslog_pb2.TCPAccessLogEntry) -> tuple[ConnectionKey, int, int]:
-    c = entry.common_properties
-    tags = c.custom_tags
-    conn = entry.connection_properties
-    return ((tags.get(ALS_LISTENER_TAG, ""), tags.get("chain", ""), c.upstream_cluster,
-             _flags(tags)), conn.received_bytes, conn.sent_bytes)
-
-
 def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:
     """The TCP entries of one stream message (HTTP entries are not ours yet)."""
     out = []
@@ -173,14 +144,10 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, on_access: AccessCallback | None = None,
                  log: logging.Logger | None = None,
                  on_inbound: InboundCallback | None = None,
-                 on_traffic: TrafficCallback | None = None,
-                 tally: TrafficTally | None = None) -> None:
+                 on_traffic: TrafficCallback | None = None) -> None:
         self._cb = on_access
         self._inbound = on_inbound
         self._traffic = on_traffic
-        # the golden metrics' tally: fed in batches of raw keys unless it wants access
-        # records (then every entry is parsed whole and goes through ``on_traffic``)
-        self._tally = tally
         self._lock = threading.Lock()
         self.log = log or logging.getLogger("agent.envoy.als")
         self.entries = 0
@@ -223,19 +190,6 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
                 self.log.exception("inbound access callback failed")
 
     def _handle_traffic(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
-        tally = self._tally
-        if tally is not None and tally.access_log is None:
-            requests = [request_key(e) for e in msg.http_logs.log_entry]
-            connections = [connection_key(e) for e in msg.tcp_logs.log_entry]
-            self.entries += len(requests) + len(connections)
-            try:
-                if requests:
-                    tally.add_requests(requests)
-                if connections:
-                    tally.add_connections(connections)
-            except Exception:
-                self.log.exception("traffic metrics failed")
-            return
         cb = self._traffic
         reports = ([parse_traffic_entry(e) for e in msg.tcp_logs.log_entry]
                    + [parse_request_entry(e) for e in msg.http_logs.log_entry])
@@ -246,7 +200,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
             try:
                 cb(r)
             except Exception:
-                self.log.exception("traffic metrics callback failed")
+                self.log.exception("access record callback failed")
 
     def StreamAccessLogs(  # noqa: N802 - grpc naming
         self, request_iterator: Iterator[Any], context: grpc.ServicerContext

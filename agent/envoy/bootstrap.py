@@ -19,6 +19,8 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from agent.envoy.golden import bootstrap_stats_config
+
 XDS_CLUSTER = "xds"
 NODE_CLUSTER = "aether"
 ADMIN_SOCKET_MODE = 0o600  # Envoy's admin can drain every pod's listener: root only
@@ -103,6 +105,8 @@ def build_bootstrap(
             "name": INTERNAL_LISTENER_EXTENSION,
             "typed_config": {"@type": INTERNAL_LISTENER_TYPE},
         }],
+        # the golden metrics' request-duration buckets (agent.envoy.golden)
+        "stats_config": bootstrap_stats_config(),
         "overload_manager": {
             "resource_monitors": [
                 {

@@ -44,7 +44,7 @@ import logging
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
@@ -66,6 +66,7 @@ from google.protobuf.message import Message
 from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.envoy_stats import PASSTHROUGH_STATS
+from agent.envoy.golden import SOURCE_STATE, http_stats_log, tcp_stats_log
 from agent.envoy.mtls import MeshTls
 from agent.envoy.pieces import (
     AGENT_GRPC_CLUSTER,
@@ -96,8 +97,8 @@ NAMESPACE_LISTENER_PREFIX = "mesh-"
 DEFAULT_NAMESPACE = "default"
 SERVICE_CLUSTER_PREFIX = "svc|"
 ALS_LOG_NAME = "aether-passthrough"
-# Golden metrics (agent.envoy.traffic): every connection a namespace listener closes, and
-# every request an HTTP chain answers, reported to the agent under these log names.
+# Access-log records (--access-log, agent.envoy.traffic): every connection a namespace
+# listener closes, and every request an HTTP chain answers, reported to the agent.
 TRAFFIC_LOG_NAME = "aether-traffic"
 REQUEST_LOG_NAME = "aether-requests"
 TRAFFIC_TAGS = {"chain": "%FILTER_CHAIN_NAME%", "flags": "%RESPONSE_FLAGS%"}
@@ -157,6 +158,13 @@ class PodListener:
     # its inbound mTLS listener delivers to); used only with ``NodeXdsState.mesh_tls``.
     service_account: str = "default"
     ips: tuple[str, ...] = ()
+    # Its workload (the owner, not the pod): the source the golden metrics count it under.
+    workload: str = ""
+
+    @property
+    def source(self) -> str:
+        """``<namespace>/<workload>`` (the listener's uid when the workload is unknown)."""
+        return f"{self.namespace or DEFAULT_NAMESPACE}/{self.workload or self.uid}"
 
     @property
     def identity(self) -> str:
@@ -222,8 +230,8 @@ class NodeXdsState:
     # no identity provider, Service traffic goes to the endpoints in plaintext.
     mesh_tls: MeshTls | None = None
     resilience: Resilience = Resilience()
-    # Golden metrics: the namespace listeners and HTTP chains report every connection and
-    # request to the agent (agent.envoy.traffic); off: no per-connection/request reports.
+    # Golden metrics: Service and HTTP chains count every connection and request in Envoy's
+    # stats (agent.envoy.golden); off: nothing counted per connection or request.
     traffic_metrics: bool = True
 
 
@@ -354,7 +362,7 @@ def _cidr(ip: str) -> address_pb2.CidrRange | None:
 
 
 def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1,
-                  traffic_log: bool = False) -> listener_components_pb2.FilterChain:
+                  logs: TrafficLogs | None = None) -> listener_components_pb2.FilterChain:
     """Plain TCP chain for one Service port: ClusterIPs (/32, /128) + port -> its EDS cluster.
 
     Matched on the original destination. The GAMMA work swaps in an HTTP variant (same
@@ -378,7 +386,7 @@ def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 
         # no per-chain access log: at 10k Services it was most of each chain's bytes; the
         # passthrough chain keeps its log (learning) and cluster stats cover Service traffic
         filters=[tcp_proxy_filter(cluster, cluster,
-                                  *([traffic_access_log()] if traffic_log else []), config=tcp)],
+                                  *tcp_traffic_logs(logs), config=tcp)],
     )
 
 
@@ -398,7 +406,7 @@ def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = No
 
 def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
               gamma: Any = None, connect_attempts: int = 1,
-              request_log: bool = False) -> ChainResult:
+              logs: TrafficLogs | None = None) -> ChainResult:
     """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
     attach to this Service port (by appProtocol; http_inspector detection when unset).
 
@@ -409,7 +417,7 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     from agent.envoy.http_routes import balances_per_request, service_port_chains
 
     def tcp_chain(v: ServiceView, p: ServicePort) -> listener_components_pb2.FilterChain:
-        return service_chain(v, p, connect_attempts, request_log)
+        return service_chain(v, p, connect_attempts, logs)
 
     if gamma is None and not balances_per_request(port):
         return tcp_chain(view, port)
@@ -418,8 +426,7 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
              else gamma.tables.get((view.key, port.port, None)))
     return service_port_chains(view, port, table, tcp_chain=tcp_chain,
                                cluster_name=service_cluster_name,
-                               access_log=(http_failure_access_log(),
-                                           *([request_access_log()] if request_log else [])))
+                               access_log=(http_failure_access_log(), *http_traffic_logs(logs)))
 
 
 def gamma_signature(gamma: Any, key: str) -> tuple[Any, ...]:
@@ -587,6 +594,7 @@ def _capture_chain(pod: PodListener, mesh_identity: bool = False
         state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
         state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
         state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
+        state_value(SOURCE_STATE, pod.source, STRING_STATE_FACTORY),
         state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, TRANSITIVE),
         *([mtls.caller_state(pod.identity)] if mesh_identity else []),
     )
@@ -679,6 +687,29 @@ class RawResource:
 
     def __repr__(self) -> str:
         return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
+
+
+class TrafficLogs(NamedTuple):
+    """What a Service chain logs: ``metrics``, the golden metrics' stats loggers (counted in
+    Envoy, agent.envoy.golden); ``records``, an access-log entry per connection or request
+    to the agent (``--access-log``)."""
+
+    metrics: bool = True
+    records: bool = False
+
+
+def tcp_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
+    if logs is None:
+        return []
+    return (([tcp_stats_log()] if logs.metrics else [])
+            + ([traffic_access_log()] if logs.records else []))
+
+
+def http_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
+    if logs is None:
+        return []
+    return (([http_stats_log()] if logs.metrics else [])
+            + ([request_access_log()] if logs.records else []))
 
 
 def traffic_access_log() -> accesslog_pb2.AccessLog:
@@ -842,7 +873,7 @@ class _ServiceTables:
     views: tuple[ServiceView, ...]
     # (connect timeout, passthrough mark, tunnel, resilience, traffic metrics): what every
     # Service's cluster and chains are built with
-    timeout: tuple[float, int, bool, Resilience, bool]
+    timeout: tuple[float, int, bool, Resilience, TrafficLogs]
     clusters: dict[str, Message]
     assignments: dict[str, Message]
     # (entry, port, shared chain bytes or None) in table order, clash-free
@@ -892,7 +923,7 @@ class ResourceBuilder:
 
     # ---- Services ------------------------------------------------------------------------
 
-    def _service(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, bool]
+    def _service(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, TrafficLogs]
                  ) -> _ServiceEntry:
         old = self._services.get(view.key)
         sig = gamma_signature(self._gamma, view.key)
@@ -902,9 +933,9 @@ class ResourceBuilder:
         if not view.cluster_ips:
             return self._headless(view, timeout)
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
-        attempts, request_log = timeout[3].connect_attempts, timeout[4]
+        attempts, logs = timeout[3].connect_attempts, timeout[4]
         chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic,
-                     attempts, request_log, sig)
+                     attempts, logs, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -916,7 +947,7 @@ class ResourceBuilder:
                 claims = tuple((c.address_prefix, p.port) for c in cidrs)
                 shared = (None if chain_varies_by_caller(view, p, self._gamma)
                           else encode_chains(_as_chains(chain_for(view, p, None, self._gamma,
-                                                                  attempts, request_log))))
+                                                                  attempts, logs))))
                 rows.append((p, claims, shared))
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
@@ -940,7 +971,7 @@ class ResourceBuilder:
         self._services[view.key] = entry
         return entry
 
-    def _headless(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, bool]
+    def _headless(self, view: ServiceView, timeout: tuple[float, int, bool, Resilience, TrafficLogs]
                   ) -> _ServiceEntry:
         """A headless Service: clients dial its pods' addresses (from DNS) on the target
         port, so each endpoint address and port gets a chain of its own and a cluster of one
@@ -976,7 +1007,7 @@ class ResourceBuilder:
                 eds[name] = (one, _raw(build_load_assignment(name, one, timeout[2]), name))
                 match = listener_components_pb2.FilterChainMatch(prefix_ranges=[cidr])
                 match.destination_port.value = ep.port
-                logs = [traffic_access_log()] if timeout[4] else []
+                logs = tcp_traffic_logs(timeout[4])
                 chains.append(listener_components_pb2.FilterChain(
                     name=name, filter_chain_match=match,
                     filters=[tcp_proxy_filter(name, name, *logs)]))
@@ -993,7 +1024,7 @@ class ResourceBuilder:
     def _service_tables(self, state: NodeXdsState) -> _ServiceTables:
         old = self._tables
         opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None,
-                state.resilience, state.traffic_metrics)
+                state.resilience, TrafficLogs(state.traffic_metrics, state.connection_log))
         if old is not None and old.timeout == opts \
                 and _same(old.views, state.services) and old.gamma is state.gamma:
             return old

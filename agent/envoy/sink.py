@@ -19,6 +19,7 @@ import psutil
 
 from agent.config import NodeConfig
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
+from agent.envoy.golden import GoldenFold
 from agent.envoy.listener_view import (
     REJECTED,
     ListenerProbe,
@@ -28,6 +29,7 @@ from agent.envoy.listener_view import (
 )
 from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener, Resilience
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
+from agent.envoy.traffic import AccessRecorder
 from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
@@ -60,7 +62,8 @@ def pod_listener(pod: CapturedPod) -> PodListener:
 def _listener_of(pod: CapturedPod, ipv4: bool = True, ipv6: bool = True) -> PodListener:
     return PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
                        ipv4=ipv4, ipv6=ipv6, service_account=pod.service_account or "default",
-                       ips=tuple(ip.split("/")[0] for ip in pod.ips))
+                       ips=tuple(ip.split("/")[0] for ip in pod.ips),
+                       workload=pod.workload or pod.name)
 
 
 class EnvoySink:
@@ -79,6 +82,7 @@ class EnvoySink:
         self.identity = identity
         self.hang_timeout = hang_timeout
         self._envoy_traffic: tuple[float, dict[str, Any]] | None = None
+        self._envoy_traffic_lock = threading.Lock()
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
         self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
@@ -98,10 +102,12 @@ class EnvoySink:
             delta=delta))
         self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
-        self.xds.traffic.max_series = traffic_max_series
+        # the golden metrics' cardinality cap over Envoy's series (agent.envoy.golden)
+        self.golden_fold = GoldenFold(traffic_max_series)
         if access_log:
             access = logging.getLogger("agent.access")
-            self.xds.traffic.access_log = lambda rec: access.info("access", extra=rec)
+            self.xds.access_records = AccessRecorder(
+                lambda rec: access.info("access", extra=rec))
         self.xds.on_nack = self._on_nack
         self.log_path = os.path.join(self.dir, "envoy.log")
         if concurrency <= 0:
@@ -312,24 +318,42 @@ class EnvoySink:
         return False
 
     def envoy_traffic(self) -> dict[str, Any]:
-        """Passthrough connections by destination class and active connections per Service,
-        from Envoy's own stats (``agent.envoy.envoy_stats``); reused for a second, so a
-        scrape and a ``top`` sample in the same second ask Envoy once. Raises OSError or
-        ValueError when Envoy's admin does not answer."""
+        """What Envoy's stats hold of the traffic, read from its admin and reused for a
+        second (a scrape and a ``top`` sample in the same second ask Envoy once):
+        ``golden``, the golden metrics (``agent.envoy.golden``, capped), and ``envoy``,
+        passthrough by destination class and open connections per Service
+        (``agent.envoy.envoy_stats``). Raises OSError or ValueError when the admin does
+        not answer."""
         import json
         import urllib.parse
 
-        from agent.envoy import envoy_stats
+        from agent.envoy import envoy_stats, golden
         from agent.envoy.supervisor import admin_request
-        cached = self._envoy_traffic
-        if cached is not None and time.monotonic() - cached[0] < 1.0:
-            return cached[1]
-        path = "/stats?format=json&filter=" + urllib.parse.quote(envoy_stats.STATS_FILTER)
-        code, body = admin_request(self.admin, "GET", path, timeout=1.0)
-        if code != 200:
-            raise ValueError(f"envoy admin answered {code} for its stats")
-        figures = envoy_stats.parse(json.loads(body))
-        self._envoy_traffic = (time.monotonic(), figures)
+        with self._envoy_traffic_lock:
+            cached = self._envoy_traffic
+            if cached is not None and time.monotonic() - cached[0] < 1.0:
+                return cached[1]
+            path = "/stats?format=json&filter=" + urllib.parse.quote(envoy_stats.STATS_FILTER)
+            code, body = admin_request(self.admin, "GET", path, timeout=1.0)
+            if code != 200:
+                raise ValueError(f"envoy admin answered {code} for its stats")
+            figures: dict[str, Any] = {"envoy": envoy_stats.parse(json.loads(body))}
+            path = "/stats/prometheus?filter=" + urllib.parse.quote(golden.STATS_FILTER)
+            code, text = admin_request(self.admin, "GET", path, timeout=2.0)
+            if code != 200:
+                raise ValueError(f"envoy admin answered {code} for its golden stats")
+            figures["golden"] = self.golden_fold.snapshot(golden.parse_prometheus(text))
+            self._envoy_traffic = (time.monotonic(), figures)
+            return figures
+
+    def golden_traffic(self) -> dict[str, Any]:
+        """The golden metrics snapshot (``/metrics``, ``aether-agent top``)."""
+        golden: dict[str, Any] = self.envoy_traffic()["golden"]
+        return golden
+
+    def envoy_figures(self) -> dict[str, Any]:
+        """Passthrough by destination class and open connections per Service."""
+        figures: dict[str, Any] = self.envoy_traffic()["envoy"]
         return figures
 
     def ready(self) -> bool:
@@ -374,7 +398,7 @@ class EnvoySink:
                              connection_log=self.access_log, learn_targets=self._learnable,
                              mesh_tls=self.identity.mesh_tls() if self.identity else None,
                              resilience=self.resilience,
-                             traffic_metrics=self.traffic_metrics or self.access_log)
+                             traffic_metrics=self.traffic_metrics)
         return self.xds.set_state(state)
 
     def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:

@@ -45,7 +45,7 @@ from agent.envoy.resources import (
     ResourceBuilder,
     resource_hash,
 )
-from agent.envoy.traffic import TrafficTally
+from agent.envoy.traffic import AccessRecorder, Report
 
 # xDS ordering: secrets (SDS), clusters, then their endpoints, then the listeners that
 # reference them.
@@ -102,10 +102,11 @@ class XdsServer:
         self.log = log or logging.getLogger("agent.envoy.xds")
         # the mesh connections this node's pods accepted, by caller (the inbound access log)
         self.inbound = InboundTally()
-        # requests and connections by source workload and destination Service (#19)
-        self.traffic = TrafficTally()
+        # --access-log: the records of captured connections and requests (set by the sink);
+        # the golden metrics themselves are counted in Envoy (agent.envoy.golden)
+        self.access_records: AccessRecorder | None = None
         self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add,
-                                     on_traffic=self.traffic.add, tally=self.traffic)
+                                     on_traffic=self._access_record)
         self._builder = ResourceBuilder()
         self._publish_lock = threading.RLock()
         # type -> id(proto) -> (proto, hash): resources the builder reused are not
@@ -145,6 +146,11 @@ class XdsServer:
                 os.unlink(path)
                 return
         raise RuntimeError(f"xDS socket {path} is in use by another process")
+
+    def _access_record(self, r: Report) -> None:
+        recorder = self.access_records
+        if recorder is not None:
+            recorder.add(r)
 
     def start(self) -> None:
         self._clear_stale_socket()

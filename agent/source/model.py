@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.workload import workload_of
+
 
 @dataclass(frozen=True)
 class PodMeta:
@@ -24,6 +26,7 @@ class PodMeta:
     net_admin: bool = False  # a container can set SO_MARK: it could forge the passthrough mark
     ips: tuple[str, ...] = ()  # status.podIPs: how a pod older than the agent is found
     phase: str = ""  # status.phase
+    workload: str = ""  # the controlling owner (agent.workload): what the metrics name it by
 
     @property
     def key(self) -> str:
@@ -70,6 +73,7 @@ def pod_from_object(obj: dict[str, Any]) -> PodMeta:
         net_admin=_holds_net_admin(spec),
         ips=tuple(ip for ip in ips if ip),
         phase=str(status.get("phase") or ""),
+        workload=workload_of(str(meta.get("name") or ""), obj),
     )
 
 
