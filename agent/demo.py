@@ -187,10 +187,27 @@ class Demo:
         subprocess.run([sys.executable, "-m", "agent.cli", "status", "--run-dir", self.run_dir],
                        check=False)
         code = self._report(split, header, stats, callers)
+        self._wait_counted(self.requests + 20)
         print("\n$ aether-agent top --once   (the calls above, by Service and by workload)")
         subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once", "--interval", "1",
                         "--run-dir", self.run_dir], check=False)
         return code
+
+    def _wait_counted(self, sent: int, timeout: float = 12.0) -> None:
+        """Until the golden metrics hold the calls made (Envoy merges its request histograms
+        on its 5 s stats flush), so ``top`` shows them; at most ``timeout``."""
+        from agent.cni import protocol
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                answer = protocol.call(os.path.join(self.run_dir, "status.sock"),
+                                       {"command": "traffic"}, 5)
+            except (OSError, ValueError):
+                answer = {}
+            rows = (answer.get("traffic") or {}).get("requests") or []
+            if sum(r["count"] for r in rows if r.get("dst_service") == "echo") >= sent:
+                return
+            time.sleep(0.5)
 
     def expected_endpoints(self) -> set[str]:
         """``<cluster>::<ip>:<port>`` of every (Service, pod) the demo's route can send to."""

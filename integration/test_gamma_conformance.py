@@ -665,6 +665,9 @@ def test_consumer_route_vs_producer_route(g: GammaNode) -> None:
                   grant(CONSUMER_NS)):  # its backendRef crosses into the producer's namespace
         g.converge(_marked("consumer", V3), "consumer client on 8081 gets the consumer route",
                    "t-consumer", client="consumer/client", port=ALT_PORT, samples=3)
+        # each namespace listener gets its table in its own push: the producer client's too
+        g.converge(_marked("producer", V2), "producer client on 8081 gets the producer route",
+                   "t-consumer", client="gamma/client", port=ALT_PORT, samples=3)
         for client, port, want, who in (
                 ("gamma/client", ALT_PORT, V2, "producer"),
                 ("gamma/client", 80, V2, "producer"),
