@@ -219,22 +219,16 @@ class _TrafficCollector(Collector):
                 cum.append((bound, acc))
             h.add_metric(list(pair), cum, total)
         yield h
-        tcp: dict[tuple[str, ...], list[float]] = {}
+        tcp: dict[tuple[str, ...], float] = {}
         for r in snap.get("tcp") or []:
             key = (*(r[k] for k in PAIR_LABELS), r["flags"])
-            acc3 = tcp.setdefault(key, [0.0, 0.0, 0.0])
-            acc3[0] += r["connections"]
-            acc3[1] += r["received_bytes"]
-            acc3[2] += r["sent_bytes"]
-        names = [("aether_tcp_connections", "TCP connections (closed) from captured pods to "
-                  "Services, by source workload and destination Service."),
-                 ("aether_tcp_received_bytes", "Bytes those connections sent to the Service."),
-                 ("aether_tcp_sent_bytes", "Bytes the Service sent back on them.")]
-        for i, (name, doc) in enumerate(names):
-            f = CounterMetricFamily(name, doc, labels=[*PAIR_LABELS, "response_flags"])
-            for key, v in sorted(tcp.items()):
-                f.add_metric(list(key), v[i])
-            yield f
+            tcp[key] = tcp.get(key, 0.0) + r["connections"]
+        f = CounterMetricFamily("aether_tcp_connections", "TCP connections (closed) from "
+                                "captured pods to Services, by source workload and destination "
+                                "Service.", labels=[*PAIR_LABELS, "response_flags"])
+        for key, n in sorted(tcp.items()):
+            f.add_metric(list(key), n)
+        yield f
         yield CounterMetricFamily(
             "aether_traffic_folded_reports",
             f"Requests and connections counted under 'other' labels because "
@@ -244,7 +238,7 @@ class _TrafficCollector(Collector):
 
 class _EnvoyTrafficCollector(Collector):
     """What Envoy's own stats hold (agent.envoy.envoy_stats): passthrough connections by
-    destination class, active connections per destination Service. Left out of the scrape
+    destination class; per destination Service, open connections and bytes each way. Left out of the scrape
     when Envoy's admin does not answer, never reported as 0."""
 
     def __init__(self, metrics: Metrics) -> None:
@@ -274,6 +268,16 @@ class _EnvoyTrafficCollector(Collector):
             active.add_metric([cls], float(v["active"]))
         yield total
         yield active
+        sent = CounterMetricFamily("aether_service_sent_bytes", "Bytes this node's captured "
+                                   "pods sent to each destination Service.",
+                                   labels=["dst_namespace", "dst_service"])
+        received = CounterMetricFamily("aether_service_received_bytes", "Bytes they received "
+                                       "from it.", labels=["dst_namespace", "dst_service"])
+        for name, (tx, rx) in sorted((figures.get("bytes") or {}).items()):
+            sent.add_metric(name.split("/", 1), float(tx))
+            received.add_metric(name.split("/", 1), float(rx))
+        yield sent
+        yield received
         svc = GaugeMetricFamily("aether_service_active_connections",
                                 "Upstream connections open now to each destination Service "
                                 "(HTTP/2 streams share one).", labels=["dst_namespace", "dst_service"])

@@ -27,7 +27,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
                     "quick": ["--quick"]},
     "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
     "h2_balance": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
-    "traffic_metrics": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
+    "traffic_metrics": {"full": ["--rounds", "4", "--duration", "8"], "quick": ["--quick"]},
 }
 
 

@@ -11,7 +11,8 @@ the same pod, and `wrk` in the client pod:
 * **tcp new connection**: Service `raw` (no appProtocol: L4, three tagged counters per
   connection), `wrk -t2 -c32 -H 'Connection: close'`: a connection per request.
 
-Modes alternate (AB, BA) over rounds; the on/off ratio is taken within a round and the
+Modes alternate (AB, BA) over rounds (an even number keeps either mode from always being
+the second node of a round); the on/off ratio is taken within a round and the
 median over rounds is reported with its spread. Target: metrics on ≥ 0.95× metrics off for
 both shapes. The "on" runs also check the metrics counted what wrk sent (requests_counted;
 it may exceed wrk's count by the requests in flight when wrk stops, at most 32). CPU per
@@ -36,6 +37,7 @@ from bench.envoy_common import ServerEnvoy, run_wrk
 NS = "bench"
 SERVER_PORT = 8080
 TARGET_RATIO = 0.95
+SETTLE_S = 3.0
 FLUSH_S = 5.5  # Envoy's stats flush (5 s): its request histograms are merged then
 WEB_IP, RAW_IP = "10.96.216.10", "10.96.216.11"
 SHAPES = {"http_keepalive": (WEB_IP, False), "tcp_newconn": (RAW_IP, True)}
@@ -142,6 +144,7 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
             progress(f"[metrics] round {r + 1}/{rounds}: traffic metrics {mode} ({i}/2, "
                      f"{len(SHAPES)} shapes × {duration:g} s) …")
             runs.append({"round": r, **one_node(workdir, mode, duration, f"r{r}{mode}")})
+            time.sleep(SETTLE_S)  # the last node's teardown is not the next one's load
     out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "runs": runs,
                            "target": TARGET_RATIO}
     met = True

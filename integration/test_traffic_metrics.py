@@ -140,7 +140,13 @@ def test_requests_and_connections_are_counted_exactly(tnode: EnvoyNode) -> None:
         assert delta(text, "aether_requests_total", dst_service="web", code_class="5xx") == k
         assert delta(text, "aether_request_duration_seconds_count", dst_service="web") == n
         assert delta(text, "aether_tcp_connections_total", dst_service="raw") == m
-        assert delta(text, "aether_tcp_received_bytes_total", dst_service="raw") == 100 * m
+        # bytes per destination Service (Envoy's cluster counters, every source summed)
+        sent = [float(x) for x in re.findall(
+            r'^aether_service_sent_bytes_total\{dst_namespace="app",dst_service="raw"\} (\S+)$',
+            text, re.M)] + [float(x) for x in re.findall(
+            r'^aether_service_sent_bytes_total\{dst_namespace="app",dst_service="raw"\} (\S+)$',
+            text0, re.M)]
+        assert len(sent) == 2 and sent[0] - sent[1] == 100 * m, sent
         # `aether-agent top --once --json`: the same numbers, per destination Service
         out = subprocess.run([sys.executable, "-m", "agent.cli", "top", "--once", "--json",
                               "--run-dir", tnode.agent.run_dir, "--interval", "0.5"],

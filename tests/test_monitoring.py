@@ -30,7 +30,7 @@ def _exported() -> dict[str, set[str]]:
         tcp=[("app/web", "svc|app|db|5432", "UF", 1, 1, 1)])))
     m.traffic_source = lambda: snap
     m.envoy_traffic_source = lambda: {"passthrough": {"mesh": {"total": 1, "active": 0}},
-                                      "active": {"app/db": 1}}
+                                      "active": {"app/db": 1}, "bytes": {"app/db": [1, 2]}}
     m.identity_source = lambda: {"svids": [{"identity": "app/web", "seconds_left": 5}],
                                  "rotations": 1}
     m.mesh_traffic_source = lambda: {"inbound": [{"identity": "app/db", "caller": "x",

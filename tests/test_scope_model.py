@@ -535,3 +535,25 @@ def test_backend_traffic_policy_sets_the_services_retry_budget(model: MeshModel)
     assert budget() == (30.0, None)
     assert add(model, _btp("other", "db", 1)) == {"apps/db"}  # not ours: web unchanged
     assert budget() == (30.0, None)
+
+
+def test_an_external_name_service_is_passthrough(model: MeshModel) -> None:
+    """ExternalName is DNS only: it gets no chain and no cluster, even with a selector and
+    a stray clusterIP in the manifest, so the connection goes wherever the client resolved
+    the name, through the passthrough (docs/service-semantics.md)."""
+    from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener, build_resources
+    ext = svc("ext", selector={"app": "x"}, ips=("10.96.9.9",))
+    ext["spec"].update(type="ExternalName", externalName="db.example.com")
+    add(model, ns("apps"), ext, svc("plain", selector={"app": "x"}, ips=("10.96.9.10",)),
+        pod("x1", ips=("10.0.9.1",), labels={"app": "x"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "ext, plain"}))
+    s = service_from_object(ext)
+    assert s.type == "ExternalName" and s.cluster_ips == () and not s.headless
+    views = {v.key: v for v in model.in_scope_services()}
+    res = build_resources(NodeXdsState(pods=(PodListener("c", "/n", namespace="apps"),),
+                                       services=tuple(views.values())))
+    mesh = res[LISTENER_TYPE]["mesh-apps"].message()
+    names = [c.name for c in mesh.filter_chains]
+    assert any("|plain|" in n for n in names)  # the control: a ClusterIP Service has its chain
+    assert not any("|ext|" in n for n in names), names
+    assert not any("|ext|" in c for c in res["type.googleapis.com/envoy.config.cluster.v3.Cluster"])

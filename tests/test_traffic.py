@@ -28,10 +28,10 @@ def prom(requests: Sequence[tuple[str, str, str, str, str, str, Sequence[float]]
         lines.append(f'envoy_aether_request_duration_bucket{{{tags},le="+Inf"}} {len(values)}')
         lines.append(f"envoy_aether_request_duration_sum{{{tags}}} {sum(values)}")
         lines.append(f"envoy_aether_request_duration_count{{{tags}}} {len(values)}")
-    for name, i in (("tcp_connections", 3), ("tcp_received_bytes", 4), ("tcp_sent_bytes", 5)):
-        lines.append(f"# TYPE envoy_aether_{name} counter")
-        for t in tcp:
-            lines.append(f'envoy_aether_{name}{{src="{t[0]}",chain="{t[1]}",flags="{t[2]}"}} {t[i]}')
+    lines.append("# TYPE envoy_aether_tcp_connections counter")
+    for t in tcp:
+        lines.append(f'envoy_aether_tcp_connections{{src="{t[0]}",chain="{t[1]}",flags="{t[2]}"}} '
+                     f"{t[3]}")
     lines.append('envoy_cluster_upstream_rq{envoy_cluster_name="x"} 5')  # not ours
     return "\n".join(lines) + "\n"
 
@@ -55,8 +55,7 @@ def test_envoys_series_become_labelled_requests_durations_and_connections() -> N
     assert (sum(d["buckets"]), d["sum_s"]) == (3, 0.206)
     assert d["buckets"][BUCKETS.index(0.0025)] == 1 and d["buckets"][BUCKETS.index(0.25)] == 1
     (t,) = snap["tcp"]  # type: ignore[misc]
-    assert (t["dst_service"], t["connections"], t["received_bytes"], t["sent_bytes"]) == (
-        "db", 3, 10, 20)
+    assert (t["dst_service"], t["connections"]) == ("db", 3)
 
 
 def test_the_cap_holds_under_a_thousand_distinct_callers() -> None:
@@ -138,6 +137,9 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
         {"name": "cluster.svc|app|web|80.upstream_cx_active", "value": 3},
         {"name": "cluster.svc|app|web|8080.upstream_cx_active", "value": 1},
         {"name": "cluster.pod|app|db|10.0.0.5|5432.upstream_cx_active", "value": 2},
+        {"name": "cluster.svc|app|web|80.upstream_cx_tx_bytes_total", "value": 100},
+        {"name": "cluster.svc|app|web|80.upstream_cx_rx_bytes_total", "value": 900},
+        {"name": "cluster.pod|app|db|10.0.0.5|5432.upstream_cx_tx_bytes_total", "value": 5},
         {"name": "cluster.passthrough.upstream_cx_active", "value": 9},  # not a Service
         {"name": "tcp.capture.downstream_cx_total", "value": 99},  # not a class
         {"histograms": {}}]}
@@ -145,6 +147,12 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
     assert got["passthrough"] == {"mesh": {"total": 2, "active": 0},
                                   "outside": {"total": 7, "active": 1}}
     assert got["active"] == {"app/web": 4, "app/db": 2}  # ports (and pods) summed
+    assert got["bytes"] == {"app/web": [100, 900], "app/db": [5, 0]}
+    import re
+
+    from agent.envoy.envoy_stats import STATS_FILTER
+    assert re.search(STATS_FILTER, "cluster.pod|app|db|10.0.0.5|5432.upstream_cx_active")
+    assert not re.search(STATS_FILTER, "cluster.passthrough.upstream_cx_active")
     assert envoy_stats.parse({}) == envoy_stats.empty()
     m = Metrics()
     m.envoy_traffic_source = lambda: got
@@ -152,6 +160,8 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
     assert 'aether_passthrough_connections_total{class="outside"} 7.0' in text
     assert 'aether_passthrough_active_connections{class="outside"} 1.0' in text
     assert 'aether_service_active_connections{dst_namespace="app",dst_service="web"} 4.0' in text
+    assert 'aether_service_sent_bytes_total{dst_namespace="app",dst_service="web"} 100.0' in text
+    assert 'aether_service_received_bytes_total{dst_namespace="app",dst_service="web"} 900.0' in text
 
     def down() -> dict[str, object]:
         raise OSError("admin gone")

@@ -4,7 +4,9 @@ instead of an access-log entry per connection (which costs as much as proxying i
 * passthrough connections by destination class: ``mesh`` (a ClusterIP of an in-mesh Service
   this node's scope does not hold yet: the learn chains) and ``outside`` (everything else:
   addresses outside the mesh, whether in the cluster or not);
-* active upstream connections per destination Service (``cluster.svc|<ns>|<name>|<port>``).
+* per destination Service (``cluster.svc|<ns>|<name>|<port>``, its ports and a headless
+  Service's per-pod clusters summed): upstream connections open now, and bytes sent to it
+  and received from it.
 
 Pure: the admin's ``/stats?format=json`` document in, plain data out.
 """
@@ -20,16 +22,17 @@ CLASSES = tuple(PASSTHROUGH_STATS)
 
 # the admin's ``/stats?format=json&filter=`` regex (the sink quotes it)
 STATS_FILTER = (r"^(tcp\.passthrough_(mesh|outside)\.downstream_cx_(total|active)"
-          r"|cluster\.(svc|pod)\|[^.]*\.upstream_cx_active)$")
+                r"|cluster\.(svc|pod)\|.*\.upstream_cx_(active|tx_bytes_total|rx_bytes_total))$")
 
 
 def empty() -> dict[str, Any]:
-    return {"passthrough": {c: {"total": 0, "active": 0} for c in CLASSES}, "active": {}}
+    return {"passthrough": {c: {"total": 0, "active": 0} for c in CLASSES}, "active": {},
+            "bytes": {}}
 
 
 def parse(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"passthrough": {class: {"total", "active"}}, "active": {"<ns>/<svc>": n}}``;
-    a Service's ports (and a headless Service's per-pod clusters) are summed."""
+    """``{"passthrough": {class: {"total", "active"}}, "active": {"<ns>/<svc>": n},
+    "bytes": {"<ns>/<svc>": [sent to it, received from it]}}``."""
     out = empty()
     by_prefix = {v: k for k, v in PASSTHROUGH_STATS.items()}
     for s in doc.get("stats") or []:
@@ -46,9 +49,15 @@ def parse(doc: Mapping[str, Any]) -> dict[str, Any]:
             if cls is not None:
                 key = "total" if stat == "downstream_cx_total" else "active"
                 out["passthrough"][cls][key] += value
-        elif name.startswith("cluster.") and name.endswith(".upstream_cx_active"):
-            parts = name[len("cluster."):-len(".upstream_cx_active")].split("|")
-            if len(parts) >= 4:
-                svc = f"{parts[1]}/{parts[2]}"
+        elif name.startswith("cluster."):
+            cluster, _, stat = name[len("cluster."):].rpartition(".")
+            parts = cluster.split("|")
+            if len(parts) < 4:
+                continue
+            svc = f"{parts[1]}/{parts[2]}"
+            if stat == "upstream_cx_active":
                 out["active"][svc] = out["active"].get(svc, 0) + value
+            elif stat in ("upstream_cx_tx_bytes_total", "upstream_cx_rx_bytes_total"):
+                sent_received = out["bytes"].setdefault(svc, [0, 0])
+                sent_received[0 if stat == "upstream_cx_tx_bytes_total" else 1] += value
     return out

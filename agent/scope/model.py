@@ -478,7 +478,10 @@ class MeshModel:
         if cached is not None:
             return cached
         svc = self.services.get(key)
-        if svc is None:
+        if svc is None or svc.type == "ExternalName":
+            # DNS only: no endpoints whatever its selector (the EndpointSlice controller
+            # publishes none), not a route parent or backend: nothing for Envoy, and its
+            # traffic goes to whatever the client resolved, through the passthrough
             return None
         members = self.registry.members(key)
         slice_ports = self._slice_ports.get(key, {}) if svc.selector is None else {}
