@@ -107,6 +107,12 @@ def build_bootstrap(
         }],
         # the golden metrics' request-duration buckets (agent.envoy.golden)
         "stats_config": bootstrap_stats_config(),
+        # An internal listener's connection closed with data its peer has not read yet is
+        # sent as a reset by default (1.40): an HTTP chain answering `Connection: close`
+        # reached the pod's capture listener as a reset and the client lost the answer
+        # (integration/test_http_close.py). A close is a close.
+        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
+            "envoy.reloadable_features.enable_send_rst_on_user_space_socket": False}}]},
         "overload_manager": {
             "resource_monitors": [
                 {
