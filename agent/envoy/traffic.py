@@ -63,7 +63,7 @@ class Labels:
     src_workload: str
     dst_namespace: str
     dst_service: str
-    src_pod: str = ""  # for `aether-agent top --pod`; /metrics sums it away
+    src_pod: str = ""  # unused by the Envoy-side counts (they are per workload)
     route: str = ""
     code: str = ""
     grpc_status: str = ""
