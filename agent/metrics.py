@@ -168,8 +168,9 @@ PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service"]
 
 
 class _TrafficCollector(Collector):
-    """Golden metrics (counted in Envoy, agent.envoy.golden): requests, their durations, TCP
-    connections and bytes by source workload and destination Service."""
+    """Golden metrics (counted in Envoy, agent.envoy.golden): requests, their durations and
+    TCP connections by source workload and destination Service (bytes are per destination
+    only: ``_EnvoyTrafficCollector``)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics

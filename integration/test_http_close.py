@@ -10,6 +10,7 @@ passed on, and the client got ECONNRESET and no answer. The bootstrap turns the 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from agent.netns.enter import run_in_netns
 from agent.testing.netutil import http_echo_server
@@ -34,8 +35,15 @@ def _close_requests(netns: str, n: int = 5) -> list[bytes]:
     return [run_in_netns(netns, one) for _ in range(n)]
 
 
-def _whole(answers: list[bytes]) -> bool:
-    return all(a.startswith(b"HTTP/1.1 200") and a.rstrip().endswith(b"}") for a in answers)
+def _assert_whole_answers(client_netns: str, srv: Any) -> None:
+    """Once the Service answers, five `Connection: close` requests each get a whole answer."""
+    try:
+        assert _get_ok(client_netns, WEB_IP)[0] == 200
+        answers = _close_requests(client_netns)
+        assert all(a.startswith(b"HTTP/1.1 200") and a.rstrip().endswith(b"}")
+                   for a in answers), [a[:60] for a in answers]
+    finally:
+        srv.shutdown()
 
 
 def test_connection_close_gets_the_whole_answer(enode: EnvoyNode) -> None:
@@ -45,20 +53,10 @@ def test_connection_close_gets_the_whole_answer(enode: EnvoyNode) -> None:
     for p in (server, client):
         enode.add(p)
     srv = http_echo_server(server.netns, "0.0.0.0", 8080, "server")
-    try:
-        assert _get_ok(client.netns, WEB_IP)[0] == 200
-        answers = _close_requests(client.netns)
-        assert _whole(answers), [a[:60] for a in answers]
-    finally:
-        srv.shutdown()
+    _assert_whole_answers(client.netns, srv)
 
 
 def test_connection_close_gets_the_whole_answer_over_mtls(mnode: EnvoyNode) -> None:  # noqa: F811
     _service(mnode, "web", WEB_IP, app_protocol="http")
     _server, client, srv = _echo_pair(mnode, deps="app/echo,app/web")
-    try:
-        assert _get_ok(client.netns, WEB_IP)[0] == 200
-        answers = _close_requests(client.netns)
-        assert _whole(answers), [a[:60] for a in answers]
-    finally:
-        srv.shutdown()
+    _assert_whole_answers(client.netns, srv)

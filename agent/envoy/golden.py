@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.extensions.access_loggers.stats.v3 import stats_pb2
 
-from agent.envoy.traffic import BUCKETS, OTHER, Labels, destination
+from agent.envoy.traffic import BUCKETS, MAX_SERIES, OTHER, Labels, destination
 
 STAT_PREFIX = "aether"
 SOURCE_STATE = "aether.source"  # filter state: "<namespace>/<workload>" of the calling pod
@@ -171,7 +171,7 @@ class GoldenFold:
     kept (for the agent's lifetime, so every kept counter stays monotonic); later ones are
     summed under ``other`` labels, and how many reports went there is ``folded``."""
 
-    def __init__(self, max_series: int = 1000) -> None:
+    def __init__(self, max_series: int = MAX_SERIES) -> None:
         self.max_series = max_series
         self._kept: set[Labels] = set()
 

@@ -29,7 +29,7 @@ from agent.envoy.listener_view import (
 )
 from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener, Resilience
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
-from agent.envoy.traffic import AccessRecorder
+from agent.envoy.traffic import MAX_SERIES, AccessRecorder
 from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
@@ -72,8 +72,8 @@ class EnvoySink:
                  hang_timeout: float = 15.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
                  resilience: Resilience | None = None, traffic_metrics: bool = True,
-                 traffic_max_series: int = 1000) -> None:
-        self.traffic_metrics = traffic_metrics  # every connection and request reported
+                 traffic_max_series: int = MAX_SERIES) -> None:
+        self.traffic_metrics = traffic_metrics  # every connection and request counted in Envoy
         # a JSON record per captured connection and HTTP request (agent.access logger)
         self.access_log = access_log
         # outlier detection, connect retries, limits on every Service cluster

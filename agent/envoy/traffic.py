@@ -63,7 +63,6 @@ class Labels:
     src_workload: str
     dst_namespace: str
     dst_service: str
-    src_pod: str = ""  # unused by the Envoy-side counts (they are per workload)
     route: str = ""
     code: str = ""
     grpc_status: str = ""
@@ -111,11 +110,9 @@ class AccessRecorder:
                  resolve: Callable[[str], Source | None] | None = None) -> None:
         self.emit = emit
         self.resolve = resolve  # capture listener name → Source
-        self.records = 0
 
     def add(self, r: Report) -> None:
         src = self.resolve(r.listener) if self.resolve is not None and r.listener else None
-        self.records += 1
         self.emit(access_record(r, src or UNKNOWN_SOURCE))
 
 
