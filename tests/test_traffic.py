@@ -20,8 +20,7 @@ def prom(requests: Sequence[tuple[str, str, str, str, str, str, Sequence[float]]
     from agent.envoy.golden import DURATION_BUCKETS_US
     lines = ["# TYPE envoy_aether_request_duration histogram"]
     for src, chain, route, code, grpc, flags, values in requests:
-        tags = (f'src="{src}",chain="{chain}",route="{route}",code="{code}",grpc="{grpc}",'
-                f'flags="{flags}"')
+        tags = f'key="{src};{chain};{route};{code};{grpc};{flags}"'
         for b in DURATION_BUCKETS_US:
             lines.append(f'envoy_aether_request_duration_bucket{{{tags},le="{b}"}} '
                          f"{sum(1 for v in values if v <= b)}")
@@ -30,8 +29,7 @@ def prom(requests: Sequence[tuple[str, str, str, str, str, str, Sequence[float]]
         lines.append(f"envoy_aether_request_duration_count{{{tags}}} {len(values)}")
     lines.append("# TYPE envoy_aether_tcp_connections counter")
     for t in tcp:
-        lines.append(f'envoy_aether_tcp_connections{{src="{t[0]}",chain="{t[1]}",flags="{t[2]}"}} '
-                     f"{t[3]}")
+        lines.append(f'envoy_aether_tcp_connections{{key="{t[0]};{t[1]};{t[2]}"}} {t[3]}')
     lines.append('envoy_cluster_upstream_rq{envoy_cluster_name="x"} 5')  # not ours
     return "\n".join(lines) + "\n"
 
@@ -186,3 +184,21 @@ def test_top_shows_active_connections_and_passthrough() -> None:
     assert through == {"outside": {"connections": 14, "cps": 2.0, "active": 2}}
     screen = render(list(rows.values()), [], 2.0, "12:00:00", through)
     assert "outside: 14 connections, 2.0/s, 2 open" in screen and "ACTIVE" in screen
+
+
+def test_envoys_one_tag_packs_every_label_and_a_stray_series_is_skipped() -> None:
+    from envoy.extensions.access_loggers.stats.v3 import stats_pb2
+
+    from agent.envoy.golden import KEY_SEP, REQUEST_FIELDS, http_stats_log
+    cfg = stats_pb2.Config()
+    http_stats_log().typed_config.Unpack(cfg)
+    (tag,) = cfg.histograms[0].stat.tags  # one tag: Envoy encodes each tag per sample
+    assert tag.value_format.split(KEY_SEP) == [fmt for _, fmt in REQUEST_FIELDS]
+    text = prom(requests=[("app/a", "svc|app|web|80|http", "", "200", "", "-", [10])])
+    text += 'envoy_aether_request_duration_bucket{key="app/a;svc|app|web|80|http",le="+Inf"} 7\n'
+    text += 'envoy_aether_tcp_connections{key="app/a"} 3\n'
+    series = parse_prometheus(text)
+    # an empty field (Envoy omits empty values) and "-" both read as no value; a key of the
+    # wrong shape is no series of ours
+    assert list(series.requests) == [("app/a", "svc|app|web|80|http", "", "200", "", "")]
+    assert series.tcp == {}
