@@ -6,10 +6,11 @@ Each (round, mode) gets a node of its own, made the same way: the agent and its 
 client pod and a server pod (a static 1 KiB `direct_response` Envoy) behind two Services on
 the same pod, and `wrk` in the client pod:
 
-* **http keep-alive**: Service `web` (`appProtocol: http`: the HTTP chain, one tagged
-  histogram sample per request in Envoy), `wrk -t2 -c32` over kept-alive connections;
-* **tcp new connection**: Service `raw` (no appProtocol: L4, three tagged counters per
-  connection), `wrk -t2 -c32 -H 'Connection: close'`: a connection per request.
+* **http keep-alive**: Service `web` (`appProtocol: http`: the HTTP chain, one histogram
+  sample with one packed tag per request in Envoy), `wrk -t2 -c32` over kept-alive
+  connections;
+* **tcp new connection**: Service `raw` (no appProtocol: L4, one counter per connection),
+  `wrk -t2 -c32 -H 'Connection: close'`: a connection per request.
 
 Modes alternate (AB, BA) over rounds (an even number keeps either mode from always being
 the second node of a round); the on/off ratio is taken within a round and the
