@@ -231,8 +231,9 @@ def test_passthrough_classes_and_open_connections_come_from_envoys_stats(tnode: 
 def test_the_cardinality_cap_folds_new_callers_on_the_real_path(workdir: str, bridge_name: str
                                                                ) -> None:
     """With the cap lowered to 3 label sets (`--traffic-max-series 3`; 1000 by default, held
-    under 1,200 callers in tests/test_access_log.py), five caller pods: at most 3 sets plus
-    'other' are exported, the fold is counted, and every request is still counted."""
+    under 1,200 callers in tests/test_traffic.py and integration/test_traffic_cap.py), five
+    caller pods: at most 3 sets plus 'other' are exported, the fold is counted, and every
+    request is still counted."""
     with running(EnvoyNode(workdir, bridge_name, extra=["--traffic-max-series", "3"])) as n:
         n.agent.write("svcs.yaml", [
             {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
