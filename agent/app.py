@@ -310,12 +310,10 @@ class Agent:
 
     def _start_route_status(self, watcher: Any) -> None:
         """GAMMA route status: one writer cluster-wide (Lease), every agent routes."""
-        from agent.gamma.conditions import adopt_records
         from agent.gamma.lease import LeaseElector
         from agent.gamma.status import StatusLoop, StatusWriter
         from agent.gamma.xmesh import XMeshPublisher
         from agent.install.kube import api_client
-        from agent.scope.gamma import build_tables
 
         assert self.mesh is not None
         o = self.options
@@ -323,14 +321,8 @@ class Agent:
         self.gamma_lease = LeaseElector(gapi, self.node.node_name, namespace=o.daemonset_namespace)
         mesh = self.mesh
 
-        def compute() -> list[Any]:
-            # the same tables the proxy is given: status says what the data plane does
-            result = build_tables(mesh.owned_routes(), mesh.model.services.get,
-                                  reference_grants=objects.of_kind("ReferenceGrant"))
-            return adopt_records(result.statuses, objects, ctrl)
-
         self.gamma_status = StatusLoop(
-            compute, StatusWriter(gapi, ctrl, self.gamma_lease),
+            mesh.route_statuses, StatusWriter(gapi, ctrl, self.gamma_lease),
             xmesh=XMeshPublisher(gapi, ctrl, self.node.node_name, lease=self.gamma_lease,
                                  create_missing=o.xmesh_create))
         status_loop = self.gamma_status

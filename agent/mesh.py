@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from agent.config import NodeConfig
+from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
 from agent.scope.gamma import build_tables
 from agent.scope.model import MeshModel, ServiceView
@@ -78,7 +79,7 @@ class MeshRuntime:
               sync_timeout: float = 30.0) -> None:
         self.sink = sink
         self.watcher = watcher
-        self._unsubscribe = self.objects.on_event(self._on_event)
+        self.follow_objects()
         if watcher is not None:
             watcher.start()
             if not watcher.wait_synced(sync_timeout):
@@ -88,6 +89,12 @@ class MeshRuntime:
         self.model.breathe = breathe
         self.publish_now()
         self._thread.start()
+
+    def follow_objects(self) -> None:
+        """Feed the model from the object store's events (what ``start`` does first; alone,
+        for tests that fill the store and read what the runtime derives)."""
+        if self._unsubscribe is None:
+            self._unsubscribe = self.objects.on_event(self._on_event)
 
     def stop(self) -> None:
         self._stop.set()
@@ -194,6 +201,13 @@ class MeshRuntime:
             return old  # same tables: the same object, so the xDS builder reuses chains
         self.gamma = result
         return result
+
+    def route_statuses(self) -> list[ParentStatus]:
+        """GAMMA route status for the parents aether owns, from the same tables the proxy is
+        given (so status says what the data plane does)."""
+        result = build_tables(self.owned_routes(), self.model.services.get,
+                              reference_grants=self.objects.of_kind("ReferenceGrant"))
+        return adopt_records(result.statuses, self.objects, self.controller_name)
 
     def publish_now(self) -> None:
         if self.sink is None:

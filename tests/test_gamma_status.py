@@ -1,4 +1,5 @@
-"""Route status (agent/gamma/status.py + conditions.py) against FakeApiServer, real client."""
+"""Route status (agent/gamma/status.py) against FakeApiServer, real client; conditions as the
+running agent computes them (MeshRuntime.route_statuses → the route-table builder)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from agent.gamma.conditions import ParentStatus, statuses_from_store
+from agent.config import NodeConfig
+from agent.gamma.conditions import ParentStatus
 from agent.gamma.status import StatusLoop, StatusWriter, desired_parents
+from agent.mesh import MeshRuntime
 from agent.scope.routes import ParentRef
 from agent.source.base import WatchEvent
-from agent.source.events import ObjectStore
 from agent.testing import FakeApiServer
 from agent.testing import apiserver as fake
 
@@ -81,11 +83,15 @@ def backend(name: str, port: int = 80, **kw: Any) -> dict[str, Any]:
 
 
 class World:
-    """Objects in the API server and in the agent's ObjectStore (as the watch would)."""
+    """Objects in the API server and in the agent's object store (as the watch would), the
+    statuses computed as the running agent computes them (MeshRuntime.route_statuses)."""
 
     def __init__(self, server: FakeApiServer) -> None:
         self.server = server
-        self.store = ObjectStore()
+        self.runtime = MeshRuntime(NodeConfig(node_name="node-a", run_dir="/nonexistent"),
+                                   controller_name=CTRL)
+        self.runtime.follow_objects()
+        self.store = self.runtime.objects
 
     def put(self, *objs: dict[str, Any]) -> None:
         for obj in objs:
@@ -99,7 +105,7 @@ class World:
         return obj
 
     def statuses(self) -> list[ParentStatus]:
-        return statuses_from_store(self.store, CTRL)
+        return self.runtime.route_statuses()
 
 
 @pytest.fixture
@@ -183,17 +189,25 @@ def test_parent_problems_no_matching_parent_and_unsupported(server, api, world):
         route("ghost", [svc_parent("ghost")], [backend("echo-v1")]),
         route("port", [svc_parent("echo", port=8080)], [backend("echo-v1")]),
         route("section", [svc_parent("echo", sectionName="grpc")], [backend("echo-v1")]),
+        route("cors", [svc_parent("echo")], [backend("echo-v1")],
+              filters=[{"type": "CORS", "cors": {"allowOrigins": ["*"]}}]),
         route("ext", [svc_parent("echo")], [backend("echo-v1")],
               filters=[{"type": "ExtensionRef", "extensionRef": {"group": "x.io", "kind": "F",
                                                                  "name": "f"}}]),
     )
     StatusWriter(api, CTRL, Leadership()).sync(world.statuses())
     for name, reason in (("ghost", "NoMatchingParent"), ("port", "NoMatchingParent"),
-                         ("section", "NoMatchingParent"), ("ext", "UnsupportedValue")):
+                         ("section", "NoMatchingParent"), ("cors", "UnsupportedValue")):
         [entry] = ours(server, name)
         c = cond(entry, "Accepted")
         assert (c["status"], c["reason"]) == ("False", reason), name
         assert c["message"]
+    # an ExtensionRef we cannot resolve is not skipped: the route is accepted, its requests
+    # answer 500, and ResolvedRefs says why (Gateway API: the filter MUST NOT be skipped)
+    [entry] = ours(server, "ext")
+    assert cond(entry, "Accepted")["status"] == "True"
+    c = cond(entry, "ResolvedRefs")
+    assert (c["status"], c["reason"]) == ("False", "InvalidKind")
 
 
 def test_section_name_matches_port_name(server, api, world):
@@ -374,3 +388,17 @@ def test_records_from_another_producer_are_filtered_by_ownership(server, api, wo
     assert [p.parent.name for p in got] == ["echo"] and got[0].conditions[0].reason == "NotAllowedByParent"
     StatusWriter(api, CTRL, Leadership()).sync(got)
     assert cond(ours(server, "r")[0], "Accepted")["message"] == "lost"
+
+
+def test_a_headless_or_external_name_parent_is_not_a_mesh_parent(server, api, world):
+    # one decision for the data plane and for status: the table builder's (docs table row)
+    world.put(service("hl", clusterIP="None"), service("ext", type="ExternalName",
+                                                     externalName="example.com"),
+              route("on-hl", [svc_parent("hl")], [backend("echo-v1")]),
+              route("on-ext", [svc_parent("ext")], [backend("echo-v1")]))
+    StatusWriter(api, CTRL, Leadership()).sync(world.statuses())
+    for name in ("on-hl", "on-ext"):
+        [entry] = ours(server, name)
+        c = cond(entry, "Accepted")
+        assert (c["status"], c["reason"]) == ("False", "NoMatchingParent"), name
+        assert "cannot be a mesh parent" in c["message"]
