@@ -54,7 +54,9 @@ def run(
     outlier_ejection_seconds: Annotated[float, typer.Option(help="How long an ejected endpoint stays out (longer each time it is ejected again).")] = 30.0,
     outlier_max_ejection_percent: Annotated[int, typer.Option(help="Never eject more than this share of a Service's endpoints.")] = 50,
     connect_attempts: Annotated[int, typer.Option(help="Attempts to connect a Service connection, each to another endpoint when the last was refused or timed out (1: no retry, as kube-proxy).")] = 2,
-    max_connections_per_service: Annotated[int, typer.Option(help="Connections (and pending/concurrent requests) per Service port through this node's proxy; 0: no limit.")] = 0,
+    max_connections_per_service: Annotated[int, typer.Option(help="Connections per Service port through this node's proxy; 0: no limit. Exact for L4 Service ports (past it a new connection is closed at once). HTTP chains pool upstream connections per client connection and Envoy always lets a pool open its first one, so bound them with --max-requests-per-service. Also the default of the two request limits.")] = 0,
+    max_pending_requests_per_service: Annotated[int | None, typer.Option(help="Per Service port: HTTP requests waiting for an upstream connection of their pool, or L4 connections whose upstream connect is in progress; past it they fail at once (HTTP 503, flag UO). 0: no limit. Default: --max-connections-per-service.")] = None,
+    max_requests_per_service: Annotated[int | None, typer.Option(help="Concurrent HTTP requests per Service port, over every client connection; past it a request gets 503 at once (flag UO). 0: no limit. Default: --max-connections-per-service.")] = None,
     retry_budget_percent: Annotated[float, typer.Option(help="Retries a GAMMA route asks for may add at most this percentage of requests.")] = 20.0,
     traffic_metrics: Annotated[bool, typer.Option("--traffic-metrics/--no-traffic-metrics", help="Golden metrics (/metrics, aether-agent top): Envoy counts every connection and HTTP request in its stats, read at scrape time.")] = True,
     traffic_max_series: Annotated[int, typer.Option(help="Cardinality cap of the golden metrics: label sets held per node; past it, new ones are counted under 'other' (and the fold is counted).")] = 1000,
@@ -137,15 +139,19 @@ def run(
         from agent.envoy.resources import Resilience
         from agent.envoy.sink import EnvoySink
         if outlier_consecutive_failures < 0 or connect_attempts < 1 \
-                or max_connections_per_service < 0 or not 0 <= outlier_max_ejection_percent <= 100 \
+                or min(max_connections_per_service, max_pending_requests_per_service or 0,
+                       max_requests_per_service or 0) < 0 \
+                or not 0 <= outlier_max_ejection_percent <= 100 \
                 or outlier_ejection_seconds <= 0 or not 0 <= retry_budget_percent <= 100:
             raise typer.BadParameter(
                 "resilience flags: failures ≥ 0, ejection seconds > 0, percentages 0-100, "
-                "connect attempts ≥ 1, connections ≥ 0")
+                "connect attempts ≥ 1, connection and request limits ≥ 0")
         resilience = Resilience(
             outlier_failures=outlier_consecutive_failures, ejection_s=outlier_ejection_seconds,
             max_ejection_percent=outlier_max_ejection_percent, connect_attempts=connect_attempts,
-            max_connections=max_connections_per_service, retry_budget_percent=retry_budget_percent)
+            max_connections=max_connections_per_service,
+            max_pending_requests=max_pending_requests_per_service,
+            max_requests=max_requests_per_service, retry_budget_percent=retry_budget_percent)
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
 from agent.testing.netutil import http_echo_server, http_get_from
 from integration.conftest import EnvoyNode, running, until
@@ -290,3 +291,143 @@ def test_a_backend_traffic_policy_sets_the_services_retry_budget(enode: EnvoyNod
     finally:
         for e in echo:
             e.shutdown()
+
+
+class _HoldingEcho:
+    """A TCP server in a pod's netns that echoes on every connection until the peer closes
+    (so connections through the proxy stay open as long as the test holds them)."""
+
+    def __init__(self, netns: str, port: int = 8080) -> None:
+        import socket
+        import threading
+
+        def listen() -> socket.socket:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))
+            s.listen(16)
+            return s
+        self.sock = run_in_netns(netns, listen)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: Any) -> None:
+        try:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _connect(netns: str, ip: str = SVC_IP) -> Any:
+    import socket
+    return run_in_netns(netns, lambda: socket.create_connection((ip, 80), timeout=3))
+
+
+def _echoes(sock: Any, timeout: float = 3.0) -> bytes:
+    """What one b"ping" brings back: b"ping", b"" (closed), or b"-" (nothing yet)."""
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(b"ping")
+        return bytes(sock.recv(4))
+    except TimeoutError:
+        return b"-"
+    except OSError:
+        return b""
+
+
+def test_connection_limit_per_service_closes_what_is_past_it(workdir: str,
+                                                              bridge_name: str) -> None:
+    """`--max-connections-per-service 2` on an L4 Service: two connections are relayed, a
+    third is closed at once (Envoy's TCP pool does not queue past the connection limit),
+    and once one of the two closes a new one is relayed again."""
+    with running(EnvoyNode(workdir, bridge_name, extra=[
+            "--max-connections-per-service", "2"])) as node:
+        _service(node, {})
+        web = node.pod(name="web-0", labels={"app": "web"})
+        client = node.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
+        for p in (web, client):
+            node.add(p)
+        srv = _HoldingEcho(web.netns)
+        held: list[Any] = []
+        name = "cluster.svc|app|web|80"
+        try:
+            def one_answers() -> bool:
+                s = _connect(client.netns)
+                try:
+                    return _echoes(s) == b"ping"
+                finally:
+                    s.close()
+            _until(one_answers, "the Service never answered")
+            _until(lambda: node.stat(f"{name}.upstream_cx_active") == 0,
+                   "the probe connections never closed")
+            a, b = _connect(client.netns), _connect(client.netns)
+            held += [a, b]
+            assert (_echoes(a), _echoes(b)) == (b"ping", b"ping")
+            over = _connect(client.netns)  # the pod's capture listener accepts it …
+            held.append(over)
+            assert _echoes(over) == b""  # … and it is closed: no third upstream connection
+            assert node.stat(f"{name}.upstream_cx_overflow") >= 1
+            a.close()
+            _until(lambda: node.stat(f"{name}.upstream_cx_active") == 1, "a's slot never freed")
+            again = _connect(client.netns)
+            held.append(again)
+            assert (_echoes(again), _echoes(b)) == (b"ping", b"ping")
+        finally:
+            for s in held:
+                s.close()
+            srv.close()
+
+
+def test_concurrent_request_limit_per_service(workdir: str, bridge_name: str) -> None:
+    """`--max-requests-per-service 1` on an HTTP Service (appProtocol http): while one slow
+    request is in flight, a second gets 503 at once (flag UO, Envoy's overflow); once the
+    slow one is answered, requests pass again. (On HTTP chains this is the Service-wide
+    bound: their upstream pools are per downstream connection, see docs/service-semantics.md.)"""
+    import threading
+    with running(EnvoyNode(workdir, bridge_name, extra=["--max-requests-per-service", "1"])) as node:
+        node.agent.write("svc-web.yaml", [{
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+            "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                                "appProtocol": "http"}]}}])
+        servers, client, echo = _backends(node, 1)
+        try:
+            _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+            got: dict[str, tuple[int, dict[str, str], float]] = {}
+
+            def get(key: str, path: str) -> None:
+                t0 = time.monotonic()
+                (status, headers, _b), = http_get_from(client.netns, SVC_IP, 80, path,
+                                                       timeout=10)
+                got[key] = (status, headers, time.monotonic() - t0)
+            slow = threading.Thread(target=get, args=("slow", "/delay/3000"))
+            slow.start()
+            time.sleep(0.7)
+            get("over", "/")
+            slow.join(15)
+            get("after", "/")
+            assert got["over"][0] == 503 and got["over"][2] < 1.5, got
+            assert (got["slow"][0], got["after"][0]) == (200, 200), got
+            assert node.stat("cluster.svc|app|web|80.upstream_rq_active_overflow") >= 1
+        finally:
+            for e in echo:
+                e.shutdown()

@@ -543,6 +543,11 @@ def test_resilience_defaults_and_switches() -> None:
         outlier_failures=0, max_connections=500))
     assert not off.HasField("outlier_detection")
     assert off.circuit_breakers.thresholds[0].max_pending_requests.value == 500
+    # the pending and concurrent-request limits follow the connection limit unless given
+    own = build_service_cluster(view, 80, 1.0, resilience=Resilience(
+        max_connections=500, max_pending_requests=7, max_requests=0)).circuit_breakers.thresholds[0]
+    assert (own.max_connections.value, own.max_pending_requests.value,
+            own.max_requests.value) == (500, 7, 0xFFFFFFFF)
     # the mTLS-tunnel variant keeps one thresholds entry (Envoy wants one per priority)
     assert len(build_service_cluster(view, 80, 1.0, tunnel=True).circuit_breakers.thresholds) == 1
     for attempts, want in ((2, 2), (1, 0)):

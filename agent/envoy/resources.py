@@ -194,9 +194,13 @@ class Resilience:
     # tcp_proxy: a refused or timed-out connect is tried again on another endpoint, this
     # many attempts in all (1: no retry, as kube-proxy)
     connect_attempts: int = 2
-    # connections (and pending / concurrent requests) per Service port cluster; 0: no limit
-    # (Envoy's default of 1024 is far too few for a node proxy every pod shares)
+    # connections per Service port cluster; 0: no limit (Envoy's default of 1024 is far
+    # too few for a node proxy every pod shares)
     max_connections: int = 0
+    # requests (HTTP) or connections (L4) waiting for an upstream connection past that
+    # limit, and concurrent HTTP requests; None: the same as ``max_connections``; 0: no limit
+    max_pending_requests: int | None = None
+    max_requests: int | None = None
     # retries (where a GAMMA route asks for them) may add at most this share of requests
     retry_budget_percent: float = 20.0
 
@@ -494,14 +498,19 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     return cluster
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience,
                      traffic: TrafficPolicy | None = None) -> None:
     """Outlier detection, connection limits and the retry budget on a Service cluster (the
     Service's XBackendTrafficPolicy budget, when it has one, over the agent's default)."""
     t = cluster.circuit_breakers.thresholds.add()
-    limit = r.max_connections if r.max_connections > 0 else mtls.UNLIMITED
-    for f in ("max_connections", "max_pending_requests", "max_requests"):
-        getattr(t, f).value = limit
+    for f, n in (("max_connections", r.max_connections),
+                 ("max_pending_requests", _or(r.max_pending_requests, r.max_connections)),
+                 ("max_requests", _or(r.max_requests, r.max_connections))):
+        getattr(t, f).value = n if n > 0 else mtls.UNLIMITED
     budget = traffic.retry_budget_percent if traffic is not None else None
     floor = traffic.min_retry_concurrency if traffic is not None else None
     t.retry_budget.budget_percent.value = r.retry_budget_percent if budget is None else budget

@@ -6,6 +6,7 @@ import http.server
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,8 @@ class ClosingHTTPServer(http.server.ThreadingHTTPServer):
 def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
     """An HTTP backend inside a pod netns that answers with its pod name and the request it
     saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on.
-    ``/status/<code>`` answers that status (with the same body)."""
+    ``/status/<code>`` answers that status (with the same body); ``/delay/<ms>`` answers
+    that late (at most 10 s)."""
     import json as _json
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -180,6 +182,8 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             }).encode()
             status = 200
+            if self.path.startswith("/delay/") and self.path[7:].isdigit():
+                time.sleep(min(int(self.path[7:]), 10_000) / 1000)  # /delay/<ms>: answer late
             if self.path.startswith("/status/") and self.path[8:11].isdigit():
                 status = int(self.path[8:11])  # /status/503: answer that status
             self.send_response(status)
