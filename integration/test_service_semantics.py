@@ -203,6 +203,24 @@ def test_a_refused_connect_is_retried_elsewhere_and_the_endpoint_ejected(enode: 
         srv.shutdown()
 
 
+def test_ejection_alone_steers_connections_off_a_refusing_endpoint(workdir: str,
+                                                                   bridge_name: str) -> None:
+    """`--connect-attempts 1` (no retry on another endpoint): the refusing endpoint's
+    connections fail until it has failed 5 times in a row, then none reaches it: the
+    ejection reaches the load balancer at once (no update merge window)."""
+    with running(EnvoyNode(workdir, bridge_name, extra=["--connect-attempts", "1"])) as node:
+        client, srv = _dead_and_alive(node)
+        try:
+            _until(lambda: _who(client.netns, 1).get("web-0", 0) > 0, "the Service never answered")
+            first = _who(client.netns, 30)
+            assert first["-"] <= 5, first  # at most the 5 that eject it
+            stat = "cluster.svc|app|web|80.outlier_detection.ejections_active"
+            assert node.stat(stat) == 1
+            assert _who(client.netns, 30) == Counter({"web-0": 30})
+        finally:
+            srv.shutdown()
+
+
 def test_without_retries_and_ejection_the_dead_endpoint_shows(workdir: str, bridge_name: str) -> None:
     """`--connect-attempts 1 --outlier-consecutive-failures 0` is kube-proxy's behaviour:
     about half the connections reach the dead endpoint and fail."""
@@ -431,3 +449,31 @@ def test_concurrent_request_limit_per_service(workdir: str, bridge_name: str) ->
         finally:
             for e in echo:
                 e.shutdown()
+
+
+def test_an_endpoint_answering_5xx_is_ejected(enode: EnvoyNode) -> None:
+    """Passive outlier detection on an HTTP Service (appProtocol http, no route): web-1
+    answers every request 503; after 5 consecutive 5xx it is ejected (30 s), and the
+    requests that follow all reach web-0. kube-proxy would keep sending it half."""
+    enode.agent.write("svc-web.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                            "appProtocol": "http"}]}}])
+    servers = [enode.pod(name=f"web-{i}", labels={"app": "web"}) for i in range(2)]
+    client = enode.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
+    for p in (*servers, client):
+        enode.add(p)
+    good = http_echo_server(servers[0].netns, "0.0.0.0", 8080, "web-0")
+    bad = http_echo_server(servers[1].netns, "0.0.0.0", 8080, "web-1", status=503)
+    try:
+        _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+        stat = "cluster.svc|app|web|80.outlier_detection.ejections_active"
+        first = _who(client.netns, 30)
+        assert 1 <= first["-"] <= 10, first  # web-1 503s reached the client until ejected
+        _until(lambda: enode.stat(stat) == 1, "the 5xx endpoint was never ejected")
+        assert enode.stat("cluster.svc|app|web|80.outlier_detection.ejections_enforced_total") == 1
+        assert _who(client.netns, 20) == Counter({"web-0": 20})
+    finally:
+        good.shutdown()
+        bad.shutdown()

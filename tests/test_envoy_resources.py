@@ -538,6 +538,9 @@ def test_resilience_defaults_and_switches() -> None:
     assert od.max_ejection_percent.value == 50 and od.enforcing_success_rate.value == 0
     (t,) = c.circuit_breakers.thresholds
     assert t.max_connections.value == 0xFFFFFFFF  # not Envoy's 1024
+    # an ejection reaches the load balancer at once (Envoy's default: merged for 1 s)
+    assert c.common_lb_config.HasField("update_merge_window")
+    assert c.common_lb_config.update_merge_window.ToNanoseconds() == 0
     assert t.retry_budget.budget_percent.value == 20.0
     off = build_service_cluster(view, 80, 1.0, resilience=Resilience(
         outlier_failures=0, max_connections=500))

@@ -485,6 +485,10 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     else:
         cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
     cluster.common_lb_config.healthy_panic_threshold.value = 0.0
+    # host health changes (an outlier ejection, its end) reach the workers' load balancers
+    # at once; Envoy's default merge window (1 s) kept sending an ejected endpoint its share
+    # for up to a second after it was ejected
+    cluster.common_lb_config.update_merge_window.CopyFrom(duration(0.0))
     if view.traffic.client_ip_affinity:
         # consistent hashing on the caller's address (tcp_proxy / route hash policies);
         # Maglev moves few callers when an endpoint comes or goes

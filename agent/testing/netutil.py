@@ -159,11 +159,11 @@ class ClosingHTTPServer(http.server.ThreadingHTTPServer):
                 pass
 
 
-def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
+def http_echo_server(netns: str, addr: str, port: int, pod_name: str, status: int = 200) -> Any:
     """An HTTP backend inside a pod netns that answers with its pod name and the request it
     saw (method, path, host, headers) as JSON — what the demo and GAMMA tests assert on.
     ``/status/<code>`` answers that status (with the same body); ``/delay/<ms>`` answers
-    that late (at most 10 s)."""
+    that late (at most 10 s); ``status``, what every other request is answered with."""
     import json as _json
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -181,12 +181,12 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str) -> Any:
                 "host": self.headers.get("Host", ""),
                 "headers": {k.lower(): v for k, v in self.headers.items()},
             }).encode()
-            status = 200
+            code = status
             if self.path.startswith("/delay/") and self.path[7:].isdigit():
                 time.sleep(min(int(self.path[7:]), 10_000) / 1000)  # /delay/<ms>: answer late
             if self.path.startswith("/status/") and self.path[8:11].isdigit():
-                status = int(self.path[8:11])  # /status/503: answer that status
-            self.send_response(status)
+                code = int(self.path[8:11])  # /status/503: answer that status
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("X-Pod", pod_name)
