@@ -477,3 +477,112 @@ def test_an_endpoint_answering_5xx_is_ejected(enode: EnvoyNode) -> None:
     finally:
         good.shutdown()
         bad.shutdown()
+
+
+class _UpgradeEcho:
+    """A WebSocket-style server in a pod's netns: answers an ``Upgrade: websocket`` request
+    with 101 Switching Protocols, then echoes the raw bytes that follow until the peer
+    closes (what a WebSocket frame stream needs of the proxy: bytes both ways)."""
+
+    def __init__(self, netns: str, port: int = 8080) -> None:
+        import socket
+        import threading
+
+        def listen() -> socket.socket:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))
+            s.listen(16)
+            return s
+        self.sock = run_in_netns(netns, listen)
+        self.requests: list[bytes] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            self.requests.append(head)
+            request, _, rest = head.partition(b"\r\n\r\n")
+            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                         b"Connection: Upgrade\r\n\r\n")
+            if rest:
+                conn.sendall(rest)
+            while data := conn.recv(4096):
+                conn.sendall(data)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_kubernetes_ws_app_protocol_carries_a_websocket_upgrade(enode: EnvoyNode) -> None:
+    """appProtocol kubernetes.io/ws (the HTTP chain, no route): the Upgrade reaches the pod,
+    its 101 reaches the client, and after it bytes flow both ways on the same connection,
+    as they would without the mesh."""
+    enode.agent.write("svc-web.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
+                 "ports": [{"name": "ws", "port": 80, "targetPort": 8080,
+                            "appProtocol": "kubernetes.io/ws"}]}}])
+    web = enode.pod(name="web-0", labels={"app": "web"})
+    client = enode.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
+    for p in (web, client):
+        enode.add(p)
+    srv = _UpgradeEcho(web.netns)
+    upgrade = (b"GET /chat HTTP/1.1\r\nHost: web.app\r\nUpgrade: websocket\r\n"
+               b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               b"Sec-WebSocket-Version: 13\r\n\r\n")
+
+    def exchange() -> tuple[bytes, bytes]:
+        s = _connect(client.netns)
+        try:
+            s.settimeout(3)
+            s.sendall(upgrade)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return head, b""
+                head += chunk
+            frame = b"\x81\x05hello"  # a text frame's bytes: the proxy must not touch them
+            s.sendall(frame)
+            got = b""
+            while len(got) < len(frame):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            return head, got
+        except OSError:
+            return b"", b""
+        finally:
+            s.close()
+    try:
+        got = _until(lambda: (r := exchange())[0].startswith(b"HTTP/1.1 101") and r,
+                     "the upgrade never came back")
+        head, echoed = got
+        assert echoed == b"\x81\x05hello"
+        assert b"upgrade: websocket" in head.lower()
+        seen = srv.requests[-1].lower()
+        assert b"upgrade: websocket" in seen and b"get /chat http/1.1" in seen
+        # it went through the HTTP chain (counted per request), not the L4 relay
+        assert enode.stat("cluster.svc|app|web|80.upstream_rq_101") >= 1
+    finally:
+        srv.close()
