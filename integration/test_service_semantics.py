@@ -586,3 +586,56 @@ def test_kubernetes_ws_app_protocol_carries_a_websocket_upgrade(enode: EnvoyNode
         assert enode.stat("cluster.svc|app|web|80.upstream_rq_101") >= 1
     finally:
         srv.close()
+
+
+def test_session_persistence_keeps_a_session_on_one_endpoint(enode: EnvoyNode) -> None:
+    """XBackendTrafficPolicy sessionPersistence (Cookie) on an HTTP Service with three
+    endpoints: the first answer sets the cookie; every request sending it back, each on a
+    new connection, reaches the endpoint that answered first; requests without it are
+    spread. Header-based sessions likewise. The policy gone, the cookie means nothing."""
+    enode.agent.write("svc-web.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                            "appProtocol": "http"}]}}])
+    servers, client, echo = _backends(enode, 3)
+
+    def policy(session: dict[str, Any]) -> None:
+        enode.agent.write("btp.yaml", [{
+            "apiVersion": "gateway.networking.x-k8s.io/v1alpha1", "kind": "XBackendTrafficPolicy",
+            "metadata": {"name": "web-sticky", "namespace": "app"},
+            "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "web"}],
+                     "sessionPersistence": session}}])
+
+    def pods(count: int, headers: dict[str, str] | None = None) -> Counter[str]:
+        got = http_get_from(client.netns, SVC_IP, 80, headers=headers, count=count, timeout=3)
+        return Counter(json.loads(b)["pod"] if s == 200 else "-" for s, _h, b in got)
+
+    try:
+        _until(lambda: len(pods(9)) == 3, "the Service never spread over its endpoints")
+        policy({"sessionName": "shop", "type": "Cookie"})
+
+        def first() -> tuple[str, str] | None:
+            ((status, headers, body),) = http_get_from(client.netns, SVC_IP, 80, timeout=3)
+            cookie = headers.get("set-cookie", "")
+            return (cookie.split(";")[0], json.loads(body)["pod"]) \
+                if status == 200 and cookie.startswith("shop=") else None
+        cookie, pod = _until(first, "no session cookie was ever set")
+        assert pods(12, {"cookie": cookie}) == Counter({pod: 12})
+        assert len(pods(12)) > 1  # no cookie: still spread
+
+        policy({"sessionName": "x-shop-session", "type": "Header"})
+
+        def first_header() -> tuple[str, str] | None:
+            ((status, headers, body),) = http_get_from(client.netns, SVC_IP, 80, timeout=3)
+            value = headers.get("x-shop-session")
+            return (value, json.loads(body)["pod"]) if status == 200 and value else None
+        value, pod = _until(first_header, "no session header was ever set")
+        assert pods(12, {"x-shop-session": value}) == Counter({pod: 12})
+
+        os.unlink(os.path.join(enode.agent.manifests, "btp.yaml"))
+        _until(lambda: len(pods(12, {"x-shop-session": value})) > 1,
+               "the session stayed after the policy went")
+    finally:
+        for e in echo:
+            e.shutdown()

@@ -568,3 +568,35 @@ def test_preferred_endpoints_come_first_within_each_readiness_tier() -> None:
               for g in sorted(cla.endpoints, key=lambda g: g.priority)]
     assert groups == [["10.1.0.5"], ["10.1.0.6"], ["10.1.0.7"]]
     assert [g.priority for g in cla.endpoints] == [0, 1, 2]
+
+
+def test_session_persistence_puts_envoys_stateful_session_before_the_router() -> None:
+    from envoy.extensions.filters.http.stateful_session.v3 import stateful_session_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+    from envoy.extensions.http.stateful_session.cookie.v3 import cookie_pb2
+
+    from agent.scope.services import SessionPersistence, TrafficPolicy
+
+    def http_filters(view: ServiceView) -> list[Any]:
+        mesh = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"].message()
+        (chain,) = [c for c in mesh.filter_chains if c.name.endswith("|http")]
+        hcm = hcm_pb2.HttpConnectionManager()
+        chain.filters[0].typed_config.Unpack(hcm)
+        return list(hcm.http_filters)
+
+    port = ServicePort(80, "http", target_port=8080, app_protocol="http")
+    plain = http_filters(_view(ports=(port,)))
+    assert [f.name for f in plain] == ["envoy.filters.http.router"]
+    sticky = replace(_view(ports=(port,)), traffic=TrafficPolicy(
+        session=SessionPersistence("Cookie", "shop", 3600.0)))
+    filters = http_filters(sticky)
+    assert [f.name for f in filters] == ["envoy.filters.http.stateful_session",
+                                         "envoy.filters.http.router"]
+    cfg = stateful_session_pb2.StatefulSession()
+    filters[0].typed_config.Unpack(cfg)
+    state = cookie_pb2.CookieBasedSessionState()
+    cfg.session_state.typed_config.Unpack(state)
+    assert (state.cookie.name, state.cookie.ttl.seconds, state.cookie.path) == ("shop", 3600, "/")
+    assert not cfg.strict  # a stale session falls back to the load balancer

@@ -537,6 +537,37 @@ def test_backend_traffic_policy_sets_the_services_retry_budget(model: MeshModel)
     assert budget() == (30.0, None)
 
 
+def test_backend_traffic_policy_session_persistence(model: MeshModel) -> None:
+    from agent.scope.services import SessionPersistence, session_persistence
+    add(model, ns("apps"), svc("web", selector={"app": "web"}),
+        pod("w", ips=("10.0.1.2",), labels={"app": "web"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
+
+    def session() -> SessionPersistence | None:
+        [view] = model.in_scope_services()
+        return view.traffic.session
+
+    sp = _btp("sticky", "web", 20, created="2026-03-01T00:00:00Z")
+    del sp["spec"]["retryConstraint"]
+    sp["spec"]["sessionPersistence"] = {"sessionName": "shop", "type": "Cookie",
+                                        "absoluteTimeout": "1h",
+                                        "cookieConfig": {"lifetimeType": "Permanent"}}
+    assert add(model, sp) == {"apps/web"}
+    assert session() == SessionPersistence("Cookie", "shop", 3600.0)
+    # an older policy with only a retry budget does not hide the newer one's session
+    add(model, _btp("budget", "web", 5))
+    [view] = model.in_scope_services()
+    assert view.traffic.retry_budget_percent == 5.0 and session() is not None
+
+    def parsed(**spec: object) -> SessionPersistence | None:
+        return session_persistence({"spec": {"sessionPersistence": spec}})
+    assert parsed() == SessionPersistence("Cookie", "aether-session", None)  # a session cookie
+    assert parsed(type="Header", sessionName="x-shard") == SessionPersistence("Header", "x-shard")
+    assert parsed(type="Magic") is None  # a type we do not implement: no persistence
+    assert parsed(cookieConfig={"lifetimeType": "Permanent"}) is None  # needs absoluteTimeout
+    assert session_persistence({"spec": {}}) is None
+
+
 def test_an_external_name_service_is_passthrough(model: MeshModel) -> None:
     """ExternalName is DNS only: it gets no chain and no cluster, even with a selector and
     a stray clusterIP in the manifest, so the connection goes wherever the client resolved

@@ -21,11 +21,15 @@ from envoy.config.listener.v3 import listener_components_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.http.stateful_session.v3 import stateful_session_pb2
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.http.stateful_session.cookie.v3 import cookie_pb2 as session_cookie_pb2
+from envoy.extensions.http.stateful_session.header.v3 import header_pb2 as session_header_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.http.v3 import cookie_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, range_pb2
 
@@ -43,7 +47,7 @@ from agent.scope.gamma import (
     Rule,
 )
 from agent.scope.model import ServiceView
-from agent.scope.services import ServicePort
+from agent.scope.services import ServicePort, SessionPersistence
 
 ClusterNameFn = Callable[[str, str, int], str]
 TcpChainFn = Callable[[ServiceView, ServicePort], listener_components_pb2.FilterChain]
@@ -337,10 +341,35 @@ def route_configuration(table: RouteTable, cluster_name: ClusterNameFn, *, name:
     return cfg
 
 
+STATEFUL_SESSION_FILTER = "envoy.filters.http.stateful_session"
+
+
+def stateful_session_filter(session: SessionPersistence) -> hcm_pb2.HttpFilter:
+    """Envoy's stateful session: the answer carries the endpoint (a cookie, or a header the
+    client sends back), and a request carrying it goes to that endpoint while it is healthy
+    (else the load balancer picks, and the session moves). Not strict: a stale session is
+    never an error."""
+    cfg = stateful_session_pb2.StatefulSession()
+    if session.kind == "Header":
+        state = session_header_pb2.HeaderBasedSessionState(name=session.name)
+        cfg.session_state.name = "envoy.http.stateful_session.header"
+    else:
+        cookie = cookie_pb2.Cookie(name=session.name, path="/")
+        if session.ttl_s:
+            cookie.ttl.CopyFrom(duration(session.ttl_s))
+        state = session_cookie_pb2.CookieBasedSessionState(cookie=cookie)
+        cfg.session_state.name = "envoy.http.stateful_session.cookie"
+    cfg.session_state.typed_config.Pack(state)
+    f = hcm_pb2.HttpFilter(name=STATEFUL_SESSION_FILTER)
+    f.typed_config.Pack(cfg)
+    return f
+
+
 def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str | None = None,
-            access_log: Sequence[accesslog_pb2.AccessLog] = (), hosts: Sequence[str] = ()
-            ) -> hcm_pb2.HttpConnectionManager:
-    """HCM with the inline route table; codec AUTO serves HTTP/1.1 and h2c prior knowledge."""
+            access_log: Sequence[accesslog_pb2.AccessLog] = (), hosts: Sequence[str] = (),
+            session: SessionPersistence | None = None) -> hcm_pb2.HttpConnectionManager:
+    """HCM with the inline route table; codec AUTO serves HTTP/1.1 and h2c prior knowledge.
+    ``session``: the Service's session persistence (before the router)."""
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix=stat_prefix or table.name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -348,6 +377,8 @@ def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str 
         access_log=list(access_log),
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
     )
+    if session is not None:
+        hcm.http_filters.append(stateful_session_filter(session))
     router = hcm.http_filters.add(name="envoy.filters.http.router")
     # no x-envoy-* headers towards the app or back to the caller: a transparent proxy adds
     # nothing the application did not ask for
@@ -402,7 +433,7 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
         match.application_protocols.extend(DETECTED_PROTOCOLS)
     chain = http_filter_chain(f"{tcp.name}|http", match,
                               hcm_for(table, cluster_name, access_log=access_log,
-                                      hosts=target_hosts(view)))
+                                      hosts=target_hosts(view), session=view.traffic.session))
     return [chain] if proto == "http" else [chain, tcp]
 
 

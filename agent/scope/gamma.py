@@ -14,11 +14,11 @@ Alongside the tables come the inputs of the status writer: per (route, parentRef
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agent.scope import durations
 from agent.scope.routes import ParentRef, Route
 from agent.scope.services import ServicePort
 
@@ -28,10 +28,6 @@ GATEWAY_GROUP = "gateway.networking.k8s.io"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
                           "PATCH"})
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
-# GEP-2257 duration: 1-4 (number, unit) pairs.
-_DURATION = re.compile(r"^(?:[0-9]{1,5}(?:h|m|s|ms)){1,4}\Z")
-_DURATION_PART = re.compile(r"([0-9]{1,5})(h|ms|m|s)")
-_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 # Condition types and reasons (gateway.networking.k8s.io/v1 RouteConditionType/Reason).
 ACCEPTED = "Accepted"
@@ -275,9 +271,10 @@ class _Invalid(Exception):
 
 def parse_duration(value: Any) -> float:
     """GEP-2257 duration → seconds ("0s" = disabled, kept as 0.0)."""
-    if not isinstance(value, str) or not _DURATION.match(value):
+    got = durations.seconds(value)
+    if got is None:
         raise _Invalid(R_UNSUPPORTED, f"invalid duration {value!r}")
-    return sum(int(n) * _UNIT_S[u] for n, u in _DURATION_PART.findall(value))
+    return got
 
 
 def _lookup(services: ServiceLookup, key: str) -> Any:

@@ -29,6 +29,7 @@ from agent.scope.services import (
     policy_targets,
     retry_constraint,
     service_from_object,
+    session_persistence,
 )
 from agent.source.base import WatchEvent
 
@@ -327,18 +328,26 @@ class MeshModel:
 
     def _traffic(self, svc: Service) -> TrafficPolicy:
         """The Service's own traffic fields, with the retry budget of the oldest
-        XBackendTrafficPolicy targeting it (Gateway API: on conflict, the oldest policy by
-        creation time, then by namespace/name, wins)."""
+        XBackendTrafficPolicy targeting it and the session persistence of the oldest that
+        sets one (Gateway API: on conflict, the oldest policy by creation time, then by
+        namespace/name, wins), each field on its own."""
         policies = sorted(
             ((str((p.get("metadata") or {}).get("creationTimestamp") or ""), k, p)
              for k, p in self._backend_policies.items() if svc.key in policy_targets(p)),
             key=lambda t: (t[0], t[1]))
+        traffic = svc.traffic
+        retry = session = False
         for _created, _key, p in policies:
             percent, floor = retry_constraint(p)
-            if percent is not None:
-                return replace(svc.traffic, retry_budget_percent=percent,
-                               min_retry_concurrency=floor)
-        return svc.traffic
+            if percent is not None and not retry:
+                traffic = replace(traffic, retry_budget_percent=percent,
+                                  min_retry_concurrency=floor)
+                retry = True
+            persistence = session_persistence(p)
+            if persistence is not None and not session:
+                traffic = replace(traffic, session=persistence)
+                session = True
+        return traffic
 
     def _apply_node(self, name: str, obj: dict[str, Any] | None) -> set[str]:
         """A node's zone changed: every Service preferring its zone recomputes."""

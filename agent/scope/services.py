@@ -12,6 +12,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.scope import durations
+
 CLUSTER_DOMAIN = "svc.cluster.local"
 DEFAULT_MESH_DOMAIN = "aether.internal"
 
@@ -62,6 +64,22 @@ class TrafficPolicy:
     # agent's default (--retry-budget-percent)
     retry_budget_percent: float | None = None
     min_retry_concurrency: int | None = None
+    # XBackendTrafficPolicy sessionPersistence: requests carrying the session go to the
+    # endpoint that answered the first (HTTP chains only); None: none
+    session: SessionPersistence | None = None
+
+
+SESSION_COOKIE_DEFAULT = "aether-session"
+
+
+@dataclass(frozen=True)
+class SessionPersistence:
+    """Gateway API session persistence as Envoy's stateful-session filter does it: a cookie
+    (``ttl_s`` None: a session cookie) or a header naming the endpoint."""
+
+    kind: str = "Cookie"  # "Cookie" | "Header"
+    name: str = SESSION_COOKIE_DEFAULT
+    ttl_s: float | None = None
 
 
 def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
@@ -269,6 +287,31 @@ def retry_constraint(policy: dict[str, Any]) -> tuple[float | None, int | None]:
     rate = rc.get("minRetryRate")
     count = rate.get("count") if isinstance(rate, dict) else None
     return percent, (int(count) if isinstance(count, int) and count >= 0 else None)
+
+
+def session_persistence(policy: dict[str, Any]) -> SessionPersistence | None:
+    """An XBackendTrafficPolicy's sessionPersistence → ``SessionPersistence``; None when
+    absent or malformed (a type we do not implement is no persistence, not a guess).
+    ``cookieConfig.lifetimeType: Permanent`` gives the cookie ``absoluteTimeout`` as its
+    lifetime; Session (the default) a session cookie. ``idleTimeout`` has no Envoy
+    counterpart and is not applied."""
+    sp = (policy.get("spec") or {}).get("sessionPersistence")
+    if not isinstance(sp, dict):
+        return None
+    kind = sp.get("type") or "Cookie"
+    if kind not in ("Cookie", "Header"):
+        return None
+    name = sp.get("sessionName")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        name = SESSION_COOKIE_DEFAULT
+    ttl: float | None = None
+    lifetime = ((sp.get("cookieConfig") or {}) if isinstance(sp.get("cookieConfig"), dict)
+                else {}).get("lifetimeType") or "Session"
+    if kind == "Cookie" and lifetime == "Permanent":
+        ttl = durations.seconds(sp.get("absoluteTimeout"))
+        if not ttl:
+            return None  # Permanent needs a lifetime: Gateway API requires absoluteTimeout
+    return SessionPersistence(kind=kind, name=name, ttl_s=ttl)
 
 
 def policy_targets(policy: dict[str, Any]) -> list[str]:
