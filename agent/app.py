@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import __version__
 from agent.capture.rules import render_ruleset
@@ -30,6 +30,15 @@ from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
 from agent.state import CapturedPod, StateStore
 from agent.workload import workload_of
+
+if TYPE_CHECKING:  # the subsystems' types; their modules load only when started
+    from agent.enroll import EnrollmentLoop
+    from agent.gamma.lease import LeaseElector
+    from agent.gamma.status import StatusLoop
+    from agent.metrics import Metrics, MetricsServer
+    from agent.node.readiness import ReadinessLoop
+    from agent.node.repair import RepairLoop
+    from agent.slices.writer import SliceProjector
 
 log = logging.getLogger("aether.agent")
 
@@ -73,14 +82,15 @@ class Agent:
         self.options = options or AgentOptions()
         self.sink: ListenerSink = sink or NullSink()
         self.mesh: MeshRuntime | None = None
-        self.repair: Any = None
-        self.readiness: Any = None
-        self.metrics: Any = None
-        self.metrics_server: Any = None
-        self.slices: Any = None
-        self.gamma_lease: Any = None
-        self.gamma_status: Any = None
-        self.enrollment: Any = None  # agent.enroll.EnrollmentLoop with a mesh source
+        # the subsystems, each started only where its mode needs it (imported lazily)
+        self.repair: RepairLoop | None = None
+        self.readiness: ReadinessLoop | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.slices: SliceProjector | None = None
+        self.gamma_lease: LeaseElector | None = None
+        self.gamma_status: StatusLoop | None = None
+        self.enrollment: EnrollmentLoop | None = None  # with a mesh source
         self._sources_cache: dict[str, Any] = {}  # capture listener → traffic Source
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
@@ -376,6 +386,7 @@ class Agent:
                 self.slices.stop(node_leaving=for_good)
         if self.gamma_status is not None:
             self.gamma_status.stop()
+        if self.gamma_lease is not None:
             self.gamma_lease.stop(release=True)
         if self.mesh is not None:
             self.mesh.stop()

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
-from agent.scope.gamma import build_tables
+from agent.scope.gamma import GammaResult, build_tables
 from agent.scope.model import MeshModel, ServiceView
 from agent.scope.routes import Route
 from agent.slices.project import is_projected
@@ -35,7 +35,7 @@ REGISTER_WAIT_S = 0.1  # how long an ADD/DEL may wait for the mesh model before 
 
 
 class ServiceSink(Protocol):
-    def set_services(self, views: list[ServiceView], gamma: Any = None,
+    def set_services(self, views: list[ServiceView], gamma: GammaResult | None = None,
                      learnable: tuple[tuple[str, int], ...] | None = None) -> Any: ...
 
 
@@ -52,7 +52,7 @@ class MeshRuntime:
                  learn_ttl: float = 600.0, debounce_s: float = 0.05,
                  controller_name: str = "aether.io/mesh") -> None:
         self.controller_name = controller_name
-        self.gamma: Any = None  # the last GammaResult, reused while the tables are equal
+        self.gamma: GammaResult | None = None  # the last one, reused while the tables are equal
         self.objects = ObjectStore()
         self.model = MeshModel(mesh_domain, trust_domain, node.node_name, node=node,
                                scope_all=scope_all, learn_ttl=learn_ttl)

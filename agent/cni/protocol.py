@@ -14,30 +14,25 @@ import socket
 import time
 from typing import Any
 
-# What the shim and the agent must agree on is defined once, in the self-contained shim.
-from agent.cni.plugin import (  # noqa: F401 - re-exported for the agent side
-    DEFAULT_SOCKET,
-    DEFAULT_TIMEOUT_S,
-    ERR_AGENT_UNREACHABLE,
-    ERR_PLUGIN_NOT_AVAILABLE,
-    ERR_TRY_AGAIN,
-)
+# What the shim and the agent must agree on is defined in the self-contained shim (its
+# socket path and limits) and in agent.cni.codes (the codes, which the shim mirrors).
+from agent.cni.codes import ERR_AGENT_UNREACHABLE as ERR_AGENT_UNREACHABLE
+from agent.cni.codes import ERR_BAD_REQUEST as ERR_BAD_REQUEST
+from agent.cni.codes import ERR_CAPTURE_FAILED as ERR_CAPTURE_FAILED
+from agent.cni.codes import ERR_CHECK_DRIFT as ERR_CHECK_DRIFT
+from agent.cni.codes import ERR_DECODE as ERR_DECODE
+from agent.cni.codes import ERR_INCOMPATIBLE_VERSION as ERR_INCOMPATIBLE_VERSION
+from agent.cni.codes import ERR_INVALID_ENV as ERR_INVALID_ENV
+from agent.cni.codes import ERR_INVALID_NETCONF as ERR_INVALID_NETCONF
+from agent.cni.codes import ERR_IO as ERR_IO
+from agent.cni.codes import ERR_PLUGIN_NOT_AVAILABLE as ERR_PLUGIN_NOT_AVAILABLE
+from agent.cni.codes import ERR_TRY_AGAIN as ERR_TRY_AGAIN
+from agent.cni.codes import ERR_UNKNOWN_CONTAINER as ERR_UNKNOWN_CONTAINER
+from agent.cni.codes import ERR_UNSUPPORTED_FIELD as ERR_UNSUPPORTED_FIELD
+from agent.cni.codes import SUPPORTED_VERSIONS as SUPPORTED_VERSIONS
+from agent.cni.plugin import DEFAULT_SOCKET as DEFAULT_SOCKET
+from agent.cni.plugin import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from agent.cni.plugin import MAX_MESSAGE_BYTES as MAX_REQUEST_BYTES
-
-SUPPORTED_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
-
-# CNI spec error codes
-ERR_INCOMPATIBLE_VERSION = 1
-ERR_UNSUPPORTED_FIELD = 2
-ERR_UNKNOWN_CONTAINER = 3
-ERR_INVALID_ENV = 4
-ERR_IO = 5
-ERR_DECODE = 6
-ERR_INVALID_NETCONF = 7
-# plugin-specific (>= 100)
-ERR_CAPTURE_FAILED = 101
-ERR_CHECK_DRIFT = 102
-ERR_BAD_REQUEST = 103
 
 
 class ProtocolError(Exception):

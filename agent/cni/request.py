@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.cni import protocol as p
+from agent.cni import codes as p
 
 
 def cni_error(code: int, msg: str, details: str = "", version: str = "1.0.0") -> dict[str, Any]:

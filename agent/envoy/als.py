@@ -83,7 +83,7 @@ def _endpoint(c: Any) -> str:
         ip, port = a.socket_address.address, a.socket_address.port_value
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
     if a.HasField("envoy_internal_address"):
-        return a.envoy_internal_address.server_listener_name
+        return str(a.envoy_internal_address.server_listener_name)
     return ""
 
 
@@ -137,7 +137,7 @@ def parse_message(msg: als_pb2.StreamAccessLogsMessage) -> list[AccessEntry]:
     return out
 
 
-class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # untyped stubs
     """Reads ALS streams and calls ``on_access`` per entry; a failing callback is logged,
     never allowed to break the stream (Envoy would reconnect and buffer meanwhile)."""
 

@@ -47,7 +47,8 @@ def _admin_address(admin: str | int, mode: int = ADMIN_SOCKET_MODE) -> dict[str,
 
 def proto_to_json(msg: Message) -> dict[str, Any]:
     """Proto -> bootstrap JSON with the ``@type`` of Any fields kept."""
-    return MessageToDict(msg, preserving_proto_field_name=True)
+    out: dict[str, Any] = MessageToDict(msg, preserving_proto_field_name=True)
+    return out
 
 
 def build_bootstrap(

@@ -84,6 +84,7 @@ from agent.envoy.pieces import (
     tcp_proxy_filter,
 )
 from agent.identity.svid import identity_key
+from agent.scope.gamma import GammaResult
 from agent.scope.model import Endpoint, ServiceView
 from agent.scope.services import ServicePort, TrafficPolicy
 
@@ -228,7 +229,7 @@ class NodeXdsState:
     connection_log: bool = False
     # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
     # same object while routes are unchanged, so unchanged chains are reused.
-    gamma: Any = None
+    gamma: GammaResult | None = None
     # Mesh identity (agent.envoy.mtls.MeshTls): Service traffic becomes mTLS to the endpoint
     # pod's inbound port, every captured pod gets its inbound listeners. None:
     # no identity provider, Service traffic goes to the endpoints in plaintext.
@@ -398,7 +399,7 @@ ChainResult: TypeAlias = (
     "listener_components_pb2.FilterChain | Sequence[listener_components_pb2.FilterChain]")
 
 
-def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = None) -> bool:
+def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: GammaResult | None = None) -> bool:
     """Whether ``chain_for`` can differ by caller namespace for this Service port.
 
     False: the chain is built once (``caller_ns=None``) and shared by every namespace
@@ -409,7 +410,7 @@ def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: Any = No
 
 
 def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: Any = None, connect_attempts: int = 1,
+              gamma: GammaResult | None = None, connect_attempts: int = 1,
               logs: TrafficLogs | None = None) -> ChainResult:
     """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
     attach to this Service port (by appProtocol; http_inspector detection when unset).
@@ -433,14 +434,14 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
                                access_log=(http_failure_access_log(), *http_traffic_logs(logs)))
 
 
-def gamma_signature(gamma: Any, key: str) -> tuple[Any, ...]:
+def gamma_signature(gamma: GammaResult | None, key: str) -> tuple[Any, ...]:
     """What of the GAMMA result one Service's chains depend on (compared by value)."""
     if gamma is None:
         return ()
     return tuple(sorted(((p, s or ""), t) for (k, p, s), t in gamma.tables.items() if k == key))
 
 
-def detect_ports(gamma: Any, services: Sequence[ServiceView]) -> tuple[int, ...]:
+def detect_ports(gamma: GammaResult | None, services: Sequence[ServiceView]) -> tuple[int, ...]:
     """Destination ports where http_inspector must run: routed ports with no appProtocol."""
     if gamma is None:
         return ()
@@ -760,7 +761,8 @@ def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int
     )
     if detect:
         lis.continue_on_listener_filters_timeout = True
-    return lis.SerializeToString(deterministic=True)
+    data: bytes = lis.SerializeToString(deterministic=True)
+    return data
 
 
 def build_namespace_listener(namespace: str,
@@ -892,7 +894,7 @@ class _ServiceTables:
     # (entry, port, shared chain bytes or None) in table order, clash-free
     rows: list[tuple[_ServiceEntry, ServicePort, bytes | None]]
     shared: bytes | None  # every row's chains; None: some rows are per caller
-    gamma: Any = None
+    gamma: GammaResult | None = None
     claimed: frozenset[tuple[str, int]] = frozenset()  # (ClusterIP, port) with a chain
 
 
@@ -925,7 +927,7 @@ class ResourceBuilder:
         self._pod_listeners: dict[tuple[Any, ...], listener_pb2.Listener] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
         self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
-        self._gamma: Any = None
+        self._gamma: GammaResult | None = None
         self._detect: tuple[int, ...] = ()
         # (targets, connection log, claimed) -> the learn chains' bytes
         self._learn: tuple[tuple[Any, ...], bytes] = ((), b"")

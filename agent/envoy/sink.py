@@ -34,6 +34,7 @@ from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
 from agent.netns.families import NoLoopback, loopback_families
+from agent.scope.gamma import GammaResult
 from agent.state import CapturedPod
 
 log = logging.getLogger("aether.envoy")
@@ -128,7 +129,7 @@ class EnvoySink:
         self._removals: dict[str, str] = {}  # cid -> xDS version that dropped its listener
         self._netns_killed: int | None = None  # the Envoy pid last killed for its netns
         self._services: tuple[Any, ...] = ()
-        self._gamma: Any = None
+        self._gamma: GammaResult | None = None
         self._learnable: tuple[tuple[str, int], ...] | None = None
         self._lock = threading.Lock()
         self._adopted: psutil.Process | None = None
@@ -462,7 +463,7 @@ class EnvoySink:
                     self._publish()
         self.check_envoy_netns("after a NACK")
 
-    def set_services(self, views: list[Any], gamma: Any = None,
+    def set_services(self, views: list[Any], gamma: GammaResult | None = None,
                      learnable: tuple[tuple[str, int], ...] | None = None) -> str:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.
         ``learnable``: the (ClusterIP, port) pairs whose passthrough connections Envoy reports

@@ -507,7 +507,7 @@ class XdsServer:
             self._unregister(st)
 
 
-class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]  # untyped stubs
     def __init__(self, server: XdsServer) -> None:
         self._s = server
 

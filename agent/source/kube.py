@@ -42,7 +42,7 @@ _MAX_NAME = 253
 def _retryable(exc: BaseException) -> bool:
     """Transient failures: anything but a definite 404 (which is an answer, not a failure)."""
     if isinstance(exc, ApiException):
-        return exc.status != 404
+        return bool(exc.status != 404)
     return isinstance(exc, urllib3.exceptions.HTTPError | OSError | json.JSONDecodeError)
 
 
