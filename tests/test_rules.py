@@ -135,3 +135,27 @@ def test_strict_steers_other_inbound_connections_to_the_proxy() -> None:
     # permissive pods get no inbound chain at all
     p = decide(PodMeta("app", "p"), NS, node, True)
     assert p.policy is not None and "prerouting" not in render_ruleset(p.policy)
+
+
+@pytest.mark.parametrize("name,addresses,ranges", [
+    ("strict_ipv4_only", ("10.214.0.1",), "10.0.0.0/8"),
+    ("strict_ipv6_only", ("fd00::1",), "fd00:aa::/48"),
+])
+def test_golden_single_family(name: str, addresses: tuple[str, ...], ranges: str) -> None:
+    """A node and exclusions of one address family: their rules only for that family (no
+    empty set of the other, which nft would refuse); the fixed returns keep both."""
+    from agent.capture.policy import ANN_PEER_AUTH
+    node = NodeConfig(proxy_cgroup="unified/aether-proxy", proxy_cgroup_level=1,
+                      node_addresses=addresses)
+    d = decide(PodMeta("app", "p", annotations={ANN_PEER_AUTH: "strict",
+                                                 ANN_EXCLUDE_RANGES: ranges}), NS, node, True)
+    assert d.policy is not None
+    text = render_ruleset(d.policy)
+    path = GOLDEN / f"{name}.nft"
+    if os.environ.get("AETHER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+    other = "ip6 " if name.endswith("ipv4_only") else "ip "
+    mine = [line.strip() for line in text.splitlines()
+            if "exclude-outbound" in line or "the node" in line]
+    assert len(mine) == 2 and not any(line.startswith(other) for line in mine), mine
