@@ -228,7 +228,7 @@ class Agent:
         sink = self.sink if callable(getattr(self.sink, "set_services", None)) else None
         self.mesh.start(watcher, sink)  # type: ignore[arg-type]
         if o.kube:
-            from agent.install.kube import api_client
+            from agent.kube import api_client
             from agent.slices.writer import SliceProjector, SliceWriter
             self.slices = SliceProjector.for_mesh(
                 self.mesh.objects, self.mesh.model,
@@ -323,7 +323,7 @@ class Agent:
         from agent.gamma.lease import LeaseElector
         from agent.gamma.status import StatusLoop, StatusWriter
         from agent.gamma.xmesh import XMeshPublisher
-        from agent.install.kube import api_client
+        from agent.kube import api_client
 
         assert self.mesh is not None
         o = self.options
@@ -344,7 +344,7 @@ class Agent:
         self.gamma_status.start(synced=watcher.wait_synced if watcher is not None else None)
 
     def _start_node_loops(self) -> None:
-        from agent.install.kube import api_client
+        from agent.kube import api_client
         from agent.node.readiness import (
             NodeReadiness,
             ReadinessLoop,

@@ -14,7 +14,7 @@ import pytest
 
 from agent.config import NodeConfig
 from agent.install.installer import Installer, InstallOptions
-from agent.install.kube import api_client
+from agent.kube import api_client
 from agent.node.readiness import (
     TAINT_KEY,
     NodeReadiness,

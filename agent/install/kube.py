@@ -11,8 +11,10 @@ import logging
 from enum import Enum
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from agent.kube import api_client
 
 log = logging.getLogger("aether.install")
 
@@ -24,21 +26,11 @@ class DaemonSetState(Enum):
     UNKNOWN = "unknown"  # API unreachable: keep the entry (fail closed)
 
 
-def api_client(kubeconfig: str | None, timeout: float = 5.0) -> client.ApiClient:
-    cfg = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)
-    cfg.retries = 1
-    return client.ApiClient(cfg)
-
-
 def daemonset_state(kubeconfig: str | None, namespace: str, name: str,
                     timeout: float = 5.0) -> DaemonSetState:
     """GET apps/v1 daemonsets/<ns>/<name>, mapped to what uninstall-on-exit should do."""
     try:
-        api = api_client(kubeconfig, timeout)
+        api = api_client(kubeconfig or None)
     except Exception as e:  # noqa: BLE001 - no config at all: cannot tell
         log.warning("cannot load Kubernetes config (%s): assuming an upgrade", e)
         return DaemonSetState.UNKNOWN

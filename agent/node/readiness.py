@@ -39,8 +39,8 @@ class NodeReadiness:
     def __init__(self, api: client.ApiClient | str | None, node_name: str,
                  timeout: float = 5.0, attempts: int = 5) -> None:
         if not isinstance(api, client.ApiClient):
-            from agent.install.kube import api_client
-            api = api_client(api, timeout)
+            from agent.kube import api_client
+            api = api_client(api)
         self.core = client.CoreV1Api(api)
         self.node_name = node_name
         self.timeout = timeout

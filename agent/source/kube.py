@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tenacity import (
     RetryCallState,
@@ -29,6 +29,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from agent.kube import KubeConfigError, api_client
 from agent.source.base import PodEvent, SourceError
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 
@@ -66,27 +67,16 @@ class KubeSource:
         request_timeout: float = 5.0,
         context: str | None = None,
     ) -> None:
-        cfg = client.Configuration()
-        try:
-            if kubeconfig is None:
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                config.load_kube_config(
-                    config_file=kubeconfig, context=context, client_configuration=cfg
-                )
-        except Exception as exc:  # ConfigException, OSError, YAML errors: all fatal at startup
-            where = kubeconfig or "in-cluster service account"
-            raise SourceError(f"cannot load Kubernetes config from {where}: {exc}") from exc
-        # tenacity owns retries (within the budget); urllib3's default of 3 silent read
-        # retries would multiply every timeout by four. One connect retry stays: it is cheap.
-        cfg.retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0)
-        self._cfg = cfg
+        try:  # fatal at startup: no config, no source
+            self._api = api_client(kubeconfig, context=context)
+        except KubeConfigError as exc:
+            raise SourceError(str(exc)) from exc
+        self._cfg = self._api.configuration
         self.node_name = node_name
         self.reporting_component = reporting_component
         self.retry_budget = retry_budget
         self.max_attempts = max_attempts
         self.request_timeout = request_timeout
-        self._api = client.ApiClient(cfg)
         self._core = client.CoreV1Api(self._api)
 
     @property

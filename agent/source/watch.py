@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from agent.kube import KubeConfigError, api_client
 from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
@@ -123,18 +123,10 @@ def backoff_delay(failures: int, base: float = 0.2, cap: float = 5.0) -> float:
 def _load_api_client(source: client.ApiClient | str | None) -> client.ApiClient:
     if isinstance(source, client.ApiClient):
         return source
-    cfg = client.Configuration()
     try:
-        if source is None:
-            config.load_incluster_config(client_configuration=cfg)
-        else:
-            config.load_kube_config(config_file=source, client_configuration=cfg)
-    except Exception as exc:
-        where = source or "in-cluster service account"
-        raise SourceError(f"cannot load Kubernetes config from {where}: {exc}") from exc
-    # The watcher owns retries; urllib3's silent read retries would hide cuts.
-    cfg.retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0)
-    return client.ApiClient(cfg)
+        return api_client(source)
+    except KubeConfigError as exc:
+        raise SourceError(str(exc)) from exc
 
 
 class KubeWatcher:
