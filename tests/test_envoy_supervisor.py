@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.backoff import backoff_delay
 from agent.envoy.supervisor import (
     EnvoySupervisor,
     EnvoyVersionError,
-    backoff_delay,
     envoy_version,
     find_envoy_binary,
     parse_envoy_version,
@@ -45,9 +45,11 @@ def test_too_old_rejected(tmp_path: Path) -> None:
 
 
 def test_backoff_grows_and_caps() -> None:
-    assert 0.5 <= backoff_delay(1) <= 0.75
-    assert 2.0 <= backoff_delay(3) <= 3.0
-    assert backoff_delay(50) <= 30.0
+    from agent.envoy.supervisor import RESTART_BACKOFF_BASE_S as base
+    from agent.envoy.supervisor import RESTART_BACKOFF_CAP_S as cap
+    assert 0.25 <= backoff_delay(1, base, cap) <= 0.5
+    assert 1.0 <= backoff_delay(3, base, cap) <= 2.0
+    assert 15.0 <= backoff_delay(50, base, cap) <= 30.0
 
 
 def test_crash_loop_degraded_and_no_restart_after_stop(tmp_path: Path) -> None:

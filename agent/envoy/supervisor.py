@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import logging
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,9 +24,14 @@ from typing import IO, Any
 
 import psutil
 
+from agent.backoff import backoff_delay
+
 # SocketAddress.network_namespace_filepath landed in the API after the 1.34 release
 # (envoyproxy/envoy#38945, Apr 2025); the first release carrying it is 1.35.
 MIN_ENVOY_VERSION = (1, 35, 0)
+# Envoy crashed: wait 0.25–0.5 s after the first crash, doubling, at most 30 s (agent.backoff)
+RESTART_BACKOFF_BASE_S = 0.5
+RESTART_BACKOFF_CAP_S = 30.0
 
 _VERSION_RE = re.compile(r"/(\d+)\.(\d+)\.(\d+)/")
 
@@ -69,13 +73,6 @@ def envoy_version(binary: str) -> tuple[int, int, int]:
         [binary, "--version"], capture_output=True, text=True, timeout=30, check=False
     )
     return parse_envoy_version(out.stdout + out.stderr)
-
-
-def backoff_delay(attempt: int, initial: float = 0.5, maximum: float = 30.0,
-                  jitter: float = 0.5) -> float:
-    """Exponential backoff with additive jitter (same shape as tenacity's)."""
-    base: float = min(maximum, initial * (2 ** max(0, attempt - 1)))
-    return float(min(maximum, base + random.uniform(0, jitter * base)))
 
 
 def admin_request(admin_address: str, method: str, path: str, timeout: float = 2.0
@@ -328,7 +325,7 @@ class EnvoySupervisor:
                 while self._restart_times and now - self._restart_times[0] > self.CRASH_WINDOW_S:
                     self._restart_times.popleft()
                 recent = len(self._restart_times)
-            delay = backoff_delay(recent)
+            delay = backoff_delay(recent, base=RESTART_BACKOFF_BASE_S, cap=RESTART_BACKOFF_CAP_S)
             self.log.error("envoy pid=%d exited rc=%s; restart #%d in %.2fs%s", proc.pid, rc,
                            self.restarts, delay, " (crash loop: degraded)" if self.degraded
                            else "")

@@ -2,9 +2,12 @@
 status writer, the node loops, uninstall-on-exit): one way to load the config, one retry
 policy.
 
-The callers own their retries (tenacity budgets, watch backoff); urllib3's default of three
-silent read retries would multiply every timeout by four and hide cut connections, so only
-one connect retry is left to it (cheap, and it covers a just-restarted API server).
+Two retry policies, by what the caller does. Request/response callers (status writes, the
+node taint, the DaemonSet check) get one urllib3 retry, reads included: a pooled keep-alive
+connection the API server closed while idle fails the next request once, harmlessly.
+Watchers and the tenacity-budgeted source (``streaming=True``) own their retries: urllib3's
+silent read retries would multiply every timeout and hide cut streams, so only one connect
+retry is left to it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ class KubeConfigError(Exception):
     """No usable config: the kubeconfig file or the in-cluster service account."""
 
 
-def api_client(kubeconfig: str | None = None, *, context: str | None = None) -> client.ApiClient:
+def api_client(kubeconfig: str | None = None, *, context: str | None = None,
+               streaming: bool = False) -> client.ApiClient:
     """A client from ``kubeconfig`` (and its ``context``), or the in-cluster service account
-    when it is None or empty."""
+    when it is None or empty; ``streaming``: the caller owns read retries (see above)."""
     cfg = client.Configuration()
     try:
         if not kubeconfig:
@@ -30,5 +34,6 @@ def api_client(kubeconfig: str | None = None, *, context: str | None = None) -> 
     except Exception as exc:  # ConfigException, OSError, YAML errors: all mean "no config"
         where = kubeconfig or "in-cluster service account"
         raise KubeConfigError(f"cannot load Kubernetes config from {where}: {exc}") from exc
-    cfg.retries = urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0)
+    cfg.retries = (urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0) if streaming
+                   else urllib3.Retry(total=1))
     return client.ApiClient(cfg)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt
 
 from agent.install import conflist as cl
 from agent.install.installer import read_configs
@@ -31,6 +32,10 @@ TAINT = {"key": TAINT_KEY, "effect": TAINT_EFFECT}
 
 def _ours(t: Any) -> bool:
     return isinstance(t, dict) and t.get("key") == TAINT_KEY and t.get("effect") == TAINT_EFFECT
+
+
+def _conflict(e: BaseException) -> bool:
+    return isinstance(e, ApiException) and e.status == 409
 
 
 class NodeReadiness:
@@ -59,28 +64,31 @@ class NodeReadiness:
         return any(_ours(t) for t in self.taints())
 
     def _set(self, want: bool) -> bool:
-        """Converge on tainted == want; True if the Node was patched."""
-        for _ in range(self.attempts):
-            node = self._node()
-            taints = list((node.get("spec") or {}).get("taints") or [])
-            if any(_ours(t) for t in taints) == want:
-                return False
-            new = [t for t in taints if not _ours(t)] + ([dict(TAINT)] if want else [])
-            body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
-                    "spec": {"taints": new}}
-            try:
-                resp: Any = self.core.patch_node(
-                    self.node_name, body, _content_type="application/merge-patch+json",
-                    _preload_content=False, _request_timeout=(self.timeout, self.timeout))
-                resp.release_conn()
-            except ApiException as e:
-                if e.status == 409:  # someone else changed the node: read again
-                    continue
-                raise
-            log.info("node %s: taint %s %s", self.node_name, TAINT_KEY,
-                     "added" if want else "removed")
-            return True
-        raise RuntimeError(f"node {self.node_name}: taint update kept conflicting")
+        """Converge on tainted == want; True if the Node was patched. A 409 (someone else
+        changed the Node since we read it) reads it again, ``attempts`` times in all."""
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(self.attempts),
+                                    retry=retry_if_exception(_conflict)):
+                with attempt:
+                    return self._set_once(want)
+        except RetryError:
+            raise RuntimeError(f"node {self.node_name}: taint update kept conflicting") from None
+        raise AssertionError("unreachable: tenacity returns or raises")
+
+    def _set_once(self, want: bool) -> bool:
+        node = self._node()
+        taints = list((node.get("spec") or {}).get("taints") or [])
+        if any(_ours(t) for t in taints) == want:
+            return False
+        new = [t for t in taints if not _ours(t)] + ([dict(TAINT)] if want else [])
+        body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                "spec": {"taints": new}}
+        resp: Any = self.core.patch_node(
+            self.node_name, body, _content_type="application/merge-patch+json",
+            _preload_content=False, _request_timeout=(self.timeout, self.timeout))
+        resp.release_conn()
+        log.info("node %s: taint %s %s", self.node_name, TAINT_KEY, "added" if want else "removed")
+        return True
 
     def mark_ready(self) -> bool:
         return self._set(False)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from tenacity import RetryCallState, RetryError, Retrying, stop_after_attempt, wait_fixed
 
 from agent.loops import DebouncedLoop
 from agent.scope.model import ServiceView
@@ -262,16 +262,24 @@ class SliceProjector(DebouncedLoop):
         self.stop_loop(timeout)
         if not node_leaving:
             return  # a restart: the slices keep serving and the next agent adopts them
-        for i in range(attempts):
-            try:
-                self.writer.reconcile({})
-                log.info("node leaving: this node's EndpointSlices removed")
-                return
-            except Exception as e:  # noqa: BLE001
-                log.warning("removing EndpointSlices on exit failed (%s)%s", _why(e),
-                            "; retrying" if i + 1 < attempts else "; giving up")
-                time.sleep(min(1.0, self.interval))
-                self.writer.resync()
+        def failed(state: RetryCallState) -> None:
+            e = state.outcome.exception() if state.outcome is not None else None
+            last = state.attempt_number >= attempts
+            log.warning("removing EndpointSlices on exit failed (%s)%s",
+                        _why(e) if isinstance(e, Exception) else e,
+                        "; giving up" if last else "; retrying")
+            if not last:
+                self.writer.resync()  # re-read what is there before the next try
+
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(attempts),
+                                    wait=wait_fixed(min(1.0, self.interval)),
+                                    after=failed):
+                with attempt:
+                    self.writer.reconcile({})
+        except RetryError:
+            return
+        log.info("node leaving: this node's EndpointSlices removed")
 
     def status(self) -> dict[str, Any]:
         return {"owned": [f"{ns}/{n}" for ns, n in self.writer.owned],

@@ -68,7 +68,7 @@ class KubeSource:
         context: str | None = None,
     ) -> None:
         try:  # fatal at startup: no config, no source
-            self._api = api_client(kubeconfig, context=context)
+            self._api = api_client(kubeconfig, context=context, streaming=True)
         except KubeConfigError as exc:
             raise SourceError(str(exc)) from exc
         self._cfg = self._api.configuration

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +38,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from agent.backoff import backoff_delay
 from agent.kube import KubeConfigError, api_client
 from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
@@ -114,17 +114,11 @@ class KindStatus:
     synced_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
-def backoff_delay(failures: int, base: float = 0.2, cap: float = 5.0) -> float:
-    """Exponential with full-ish jitter (half to full of the step), capped."""
-    step = min(cap, base * (2 ** max(0, failures - 1)))
-    return random.uniform(step / 2, step)
-
-
 def _load_api_client(source: client.ApiClient | str | None) -> client.ApiClient:
     if isinstance(source, client.ApiClient):
         return source
     try:
-        return api_client(source)
+        return api_client(source, streaming=True)
     except KubeConfigError as exc:
         raise SourceError(str(exc)) from exc
 
