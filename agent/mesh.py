@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
-from agent.scope.gamma import GammaResult, build_tables
 from agent.scope.model import MeshModel, ServiceView
+from agent.scope.route_tables import GammaResult, build_tables
 from agent.scope.routes import Route
 from agent.slices.project import is_projected
 from agent.source.base import WatchEvent

@@ -25,8 +25,8 @@ from agent.envoy.resources import (
     http_failure_access_log,
 )
 from agent.envoy.supervisor import find_envoy_binary
-from agent.scope.gamma import HTTP_ROUTE, build_tables
 from agent.scope.model import ServiceView
+from agent.scope.route_tables import HTTP_ROUTE, build_tables
 from agent.scope.routes import route_from_object
 from agent.scope.services import Service, ServicePort
 

@@ -29,8 +29,8 @@ from agent.envoy.http_routes import (
 )
 from agent.envoy.resources import service_chain, service_cluster_name
 from agent.envoy.supervisor import find_envoy_binary
-from agent.scope.gamma import GRPC_ROUTE, HTTP_ROUTE, Match, PathMatch, Redirect, build_tables
 from agent.scope.model import ServiceView
+from agent.scope.route_tables import GRPC_ROUTE, HTTP_ROUTE, Match, PathMatch, Redirect, build_tables
 from agent.scope.routes import route_from_object
 from agent.scope.services import Service, ServicePort
 

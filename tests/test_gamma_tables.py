@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from agent.scope.gamma import (
+from agent.scope.route_tables import (
     GRPC_ROUTE,
     HTTP_ROUTE,
     GammaResult,

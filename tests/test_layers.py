@@ -21,7 +21,7 @@ PURE = (
     "agent.identity.svid",
     "agent.cni.codes", "agent.cni.request",
     "agent.gamma.conditions", "agent.gamma.ownership", "agent.install.conflist",
-    "agent.scope", "agent.scope.deps", "agent.scope.gamma", "agent.scope.model",
+    "agent.scope", "agent.scope.deps", "agent.scope.route_tables", "agent.scope.model",
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
     "agent.slices.project", "agent.source.model",
 )

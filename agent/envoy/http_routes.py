@@ -1,4 +1,4 @@
-"""Pure rendering of GAMMA route tables (``agent.scope.gamma``) into Envoy HTTP protos.
+"""Pure rendering of GAMMA route tables (``agent.scope.route_tables``) into Envoy HTTP protos.
 
 One ``RouteConfiguration`` per table with a single ``*`` virtual host: the route was already
 chosen by the destination ClusterIP:port (the filter chain match), never by the Host header,
@@ -34,7 +34,8 @@ from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, range_pb2
 
 from agent.envoy.pieces import duration
-from agent.scope.gamma import (
+from agent.scope.model import ServiceView
+from agent.scope.route_tables import (
     GRPC_ROUTE,
     HTTP_ROUTE,
     Backend,
@@ -46,7 +47,6 @@ from agent.scope.gamma import (
     RouteTable,
     Rule,
 )
-from agent.scope.model import ServiceView
 from agent.scope.services import ServicePort, SessionPersistence
 
 ClusterNameFn = Callable[[str, str, int], str]

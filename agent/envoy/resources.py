@@ -84,8 +84,8 @@ from agent.envoy.pieces import (
     tcp_proxy_filter,
 )
 from agent.identity.svid import identity_key
-from agent.scope.gamma import GammaResult
 from agent.scope.model import Endpoint, ServiceView
+from agent.scope.route_tables import GammaResult
 from agent.scope.services import ServicePort, TrafficPolicy
 
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -227,7 +227,7 @@ class NodeXdsState:
     # One stdout line per passthrough connection (``--access-log``): off by default, since
     # writing and relaying it costs more per connection than proxying it does.
     connection_log: bool = False
-    # GAMMA route tables (agent.scope.gamma.GammaResult) for the in-scope route targets; the
+    # GAMMA route tables (agent.scope.route_tables.GammaResult) for the in-scope route targets; the
     # same object while routes are unchanged, so unchanged chains are reused.
     gamma: GammaResult | None = None
     # Mesh identity (agent.envoy.mtls.MeshTls): Service traffic becomes mTLS to the endpoint

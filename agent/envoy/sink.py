@@ -34,7 +34,7 @@ from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
 from agent.netns.families import NoLoopback, loopback_families
-from agent.scope.gamma import GammaResult
+from agent.scope.route_tables import GammaResult
 from agent.state import CapturedPod
 
 log = logging.getLogger("aether.envoy")

@@ -2,7 +2,7 @@
 route-table builder's records to the parents aether owns.
 
 The conditions themselves are decided in one place, the route-table builder
-(``agent.scope.gamma.build_tables``), from the same tables the proxy is given, so status
+(``agent.scope.route_tables.build_tables``), from the same tables the proxy is given, so status
 says what the data plane does. ``adopt_records`` only converts its records and drops
 parents another mesh controller owns (docs/ownership.md).
 """
