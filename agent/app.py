@@ -23,9 +23,9 @@ from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni.server import UnixJsonServer, json_handler
 from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
-from agent.netns import nft
-from agent.netns.enter import NetnsError, check_netns_path
-from agent.netns.pin import pin, pins_visible_to, share_pin_dir, unpin
+from agent.netns.dataplane import DATAPLANE_ERRORS
+from agent.netns.enter import NetnsError
+from agent.netns.pin import pins_visible_to, share_pin_dir
 from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
 from agent.state import CapturedPod, StateStore
@@ -95,6 +95,7 @@ class Agent:
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
         self.handler = CniHandler(node, source, self.store, self.sink)
+        self.dataplane = self.handler.dataplane  # reconcile acts through the handler's
         too_large = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 103, '
                                         '"msg": "request larger than 1 MiB rejected"}'))
         busy = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 11, '
@@ -450,7 +451,7 @@ class Agent:
                 self._note(f"{pod.key}: netns {pod.kubelet_netns} gone ({gone}); dropped from state")
                 if pod.pinned:
                     try:
-                        unpin(pod.netns)
+                        self.dataplane.unpin(pod.netns)
                     except OSError as err:
                         self._note(f"{pod.key}: unpin failed: {err}")
                 try:
@@ -460,13 +461,13 @@ class Agent:
                 self.store.remove(pod.container_id)
                 continue
             try:
-                live = nft.live_fingerprint(pod.netns)
+                live = self.dataplane.live_fingerprint(pod.netns)
                 if live != pod.fingerprint:
-                    pod.fingerprint = nft.apply_ruleset(pod.netns, render_ruleset(pod.policy))
+                    pod.fingerprint = self.dataplane.apply(pod.netns, render_ruleset(pod.policy))
                     self.store.put(pod)
                     self._note(f"{pod.key}: capture table {'missing' if live is None else 'drifted'};"
                                " re-programmed")
-            except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            except DATAPLANE_ERRORS as e:
                 self._note(f"{pod.key}: re-programming failed: {e}")
             try:
                 self.sink.add_pod(pod)
@@ -482,10 +483,10 @@ class Agent:
             try:
                 if list(netns_identity(seen.kubelet_netns)) != list(seen.netns_id):
                     continue
-                if nft.list_table_text(seen.kubelet_netns) is not None:
-                    nft.delete_table(seen.kubelet_netns)
+                if self.dataplane.listing(seen.kubelet_netns) is not None:
+                    self.dataplane.drop(seen.kubelet_netns)
                     self._note(f"{seen.key}: dropped the table left from its release")
-            except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+            except DATAPLANE_ERRORS as e:
                 self._note(f"{seen.key}: checking for a table left from its release: {e}")
 
     def _pod_gone(self, pod: CapturedPod) -> str:
@@ -495,12 +496,12 @@ class Agent:
         holds the netns with our table in it."""
         if not pod.pinned:
             try:
-                check_netns_path(pod.netns)
+                self.dataplane.check_netns(pod.netns)
                 return ""
             except NetnsError as e:
                 return str(e)
         try:
-            check_netns_path(pod.kubelet_netns)
+            self.dataplane.check_netns(pod.kubelet_netns)
         except NetnsError as e:
             return f"sandbox process gone: {e}"
         pin_ok = os.path.ismount(pod.netns)
@@ -508,13 +509,13 @@ class Agent:
             same = os.stat(pod.netns).st_ino == os.stat(pod.kubelet_netns).st_ino
             return "" if same else "the sandbox pid now belongs to another netns"
         try:
-            live = nft.live_fingerprint(pod.kubelet_netns)
-        except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            live = self.dataplane.live_fingerprint(pod.kubelet_netns)
+        except DATAPLANE_ERRORS as e:
             return f"pin lost and netns unreadable: {e}"
         if live is None:
             return "pin lost and the kubelet path holds no aether table"
         try:
-            pin(pod.kubelet_netns, pod.netns)
+            self.dataplane.pin(pod.kubelet_netns, pod.netns)
         except OSError as e:
             return f"pin lost and could not be re-made: {e}"
         self._note(f"{pod.key}: netns pin was lost; re-pinned from {pod.kubelet_netns}")
@@ -532,9 +533,9 @@ class Agent:
         listeners = self._listener_states([p.container_id for p in records])
         for pod in records:
             try:
-                live = nft.live_fingerprint(pod.netns)
+                live = self.dataplane.live_fingerprint(pod.netns)
                 verified = "ok" if live == pod.fingerprint else ("missing" if live is None else "drift")
-            except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+            except DATAPLANE_ERRORS as e:
                 verified = f"error: {e}"
             pods.append({
                 "pod": pod.key,
@@ -674,10 +675,10 @@ class Agent:
                                "mode": pod.policy.mode, "reason": pod.reason, "ips": pod.ips,
                                "problems": [str(x) for x in pod.problems]}
         try:
-            out["rules"] = nft.list_table_text(pod.netns)
-            live = nft.live_fingerprint(pod.netns)
+            out["rules"] = self.dataplane.listing(pod.netns)
+            live = self.dataplane.live_fingerprint(pod.netns)
             out["rules_verified"] = "ok" if live == pod.fingerprint else "drift"
-        except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+        except DATAPLANE_ERRORS as e:
             out["rules"], out["rules_verified"] = None, f"error: {e}"
         out["listener"] = f"capture-{pod.container_id}"
         state, detail = self._listener_states([pod.container_id])[pod.container_id]

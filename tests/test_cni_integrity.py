@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from agent.cni import handler as handler_mod
 from agent.cni import protocol as p
 from agent.cni.handler import CniHandler
 from agent.config import NodeConfig
+from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
 from agent.netns.enter import is_host_netns, netns_identity
 from agent.source.base import PodEvent, SourceError
@@ -75,7 +75,7 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
     monkeypatch.setattr(nft, "apply_ruleset", k.apply_ruleset)
     monkeypatch.setattr(nft, "delete_table", k.delete_table)
     monkeypatch.setattr(nft, "live_fingerprint", k.live_fingerprint)
-    monkeypatch.setattr(handler_mod, "check_netns_path", lambda path: path)
+    monkeypatch.setattr(dataplane_mod, "check_netns_path", lambda path: path)
     return k
 
 
@@ -90,7 +90,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     os.link(d / "host", d / "host-alias")
     os.link(d / "pod1", d / "pod1-pin")
     host = netns_identity(str(d / "host"))
-    monkeypatch.setattr(handler_mod, "host_netns_identities", lambda: {host})
+    monkeypatch.setattr(dataplane_mod, "host_netns_identities", lambda: {host})
     return {n: str(d / n) for n in ("host", "host-alias", "pod1", "pod1-pin", "pod2")}
 
 

@@ -18,6 +18,7 @@ from agent import recovery
 from agent.cni import handler as handler_mod
 from agent.cni.handler import CniHandler
 from agent.config import NodeConfig
+from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
 from agent.netns import pin as pin_mod
 from agent.netns.enter import NetnsError, netns_identity
@@ -107,12 +108,12 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> World:
     w = World(tmp_path)
     for name in ("apply_ruleset", "delete_table", "live_fingerprint"):
         monkeypatch.setattr(nft, name, getattr(w, name))
-    monkeypatch.setattr(handler_mod, "check_netns_path", lambda path: path)
-    monkeypatch.setattr(handler_mod, "needs_pin", lambda path: "/proc-" in path)
-    monkeypatch.setattr(handler_mod, "pin", w.pin)
-    monkeypatch.setattr(handler_mod, "unpin", w.unpin)
+    monkeypatch.setattr(dataplane_mod, "check_netns_path", lambda path: path)
+    monkeypatch.setattr(dataplane_mod, "needs_pin", lambda path: "/proc-" in path)
+    monkeypatch.setattr(dataplane_mod, "pin", w.pin)
+    monkeypatch.setattr(dataplane_mod, "unpin", w.unpin)
     monkeypatch.setattr(recovery, "unpin", w.unpin)
-    for mod in (handler_mod, recovery):
+    for mod in (dataplane_mod, recovery):
         monkeypatch.setattr(mod, "netns_state", w.state)
         monkeypatch.setattr(mod, "host_netns_identities", lambda: {w.host})
     return w

@@ -26,16 +26,8 @@ from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
 from agent.config import NodeConfig
-from agent.netns import nft
-from agent.netns.enter import (
-    NetnsError,
-    NetnsGone,
-    NetnsId,
-    check_netns_path,
-    host_netns_identities,
-    netns_identity,
-)
-from agent.netns.pin import needs_pin, netns_state, pin, unpin
+from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
+from agent.netns.enter import NetnsError, NetnsGone, NetnsId
 from agent.source.base import MetadataSource, PodEvent, SourceError
 from agent.source.event_queue import EventQueue
 from agent.source.model import NamespaceMeta, PodMeta
@@ -107,11 +99,14 @@ class CniHandler:
         source: MetadataSource,
         store: StateStore,
         sink: ListenerSink | None = None,
+        dataplane: CaptureDataplane | None = None,
     ) -> None:
         self.node = node
         self.source = source
         self.store = store
         self.sink: ListenerSink = sink or NullSink()
+        # what the lifecycle does to a pod's netns (libnftables and pins; a fake in tests)
+        self.dataplane: CaptureDataplane = dataplane or NftDataplane()
         self.counters = Counters()
         # Events go out from a bounded queue: an ADD never waits on the API server for them
         self.events = EventQueue(source.record_event)
@@ -353,14 +348,14 @@ class CniHandler:
         if decision.problems:
             self._report_problems(pod, decision)
         try:
-            check_netns_path(kubelet_netns)
-            ident = netns_identity(kubelet_netns)
+            self.dataplane.check_netns(kubelet_netns)
+            ident = self.dataplane.identity(kubelet_netns)
         except NetnsError as e:
             raise CniFailure(p.ERR_INVALID_ENV, f"cannot capture {pod.key}: {e}") from e
         except OSError as e:
             raise CniFailure(p.ERR_INVALID_ENV, f"cannot capture {pod.key}: netns "
                              f"{kubelet_netns}: {e.strerror}") from e
-        if ident in host_netns_identities():
+        if ident in self.dataplane.host_identities():
             raise CniFailure(
                 p.ERR_INVALID_ENV,
                 f"refusing to capture {pod.key}: netns {kubelet_netns} is the node's own network "
@@ -373,7 +368,7 @@ class CniHandler:
     def _netns_claim(self, ident: NetnsId, cid: str, key: str, path: str) -> Iterator[None]:
         """Hold `ident` for container `cid`; refuse a netns another container id owns."""
         with self._claims_guard:
-            owner = self.store.netns_owner(ident, netns_identity, exclude=cid)
+            owner = self.store.netns_owner(ident, self.dataplane.identity, exclude=cid)
             if owner is not None:
                 raise CniFailure(
                     p.ERR_INVALID_ENV,
@@ -402,7 +397,7 @@ class CniHandler:
         cid, kubelet_netns = req["container_id"], req["netns"]
         netns = kubelet_netns
         pinned = False
-        will_pin = needs_pin(kubelet_netns)
+        will_pin = self.dataplane.needs_pin(kubelet_netns)
         if will_pin:
             netns = os.path.join(self.node.run_dir, "netns", cid)
         # Before any step: a restarted agent finding this without a record undoes the steps
@@ -414,16 +409,16 @@ class CniHandler:
                              str(e)) from e
         if will_pin:
             try:
-                pin(kubelet_netns, netns)
+                self.dataplane.pin(kubelet_netns, netns)
             except OSError as e:
                 self.store.end_add(cid)
                 raise CniFailure(p.ERR_CAPTURE_FAILED, f"cannot pin netns of {pod.key}", str(e)) from e
             pinned = True
         _fault("crash-after-pin")
         try:
-            fp = nft.apply_ruleset(netns, render_ruleset(decision.policy),
+            fp = self.dataplane.apply(netns, render_ruleset(decision.policy),
                                    first=render_create(decision.policy))
-        except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+        except DATAPLANE_ERRORS as e:
             self._release_pin(netns, pinned)
             self.store.end_add(cid)
             raise CniFailure(
@@ -484,10 +479,17 @@ class CniHandler:
                  extra=fields)
         return True
 
+    def _stale(self, path: str) -> bool:
+        """`path` exists but is no network namespace (e.g. a pin file whose mount is gone)."""
+        try:
+            return self.dataplane.is_stale_pin(path)
+        except OSError:
+            return False
+
     def _release_pin(self, netns: str, pinned: bool) -> None:
         if pinned:
             try:
-                unpin(netns)
+                self.dataplane.unpin(netns)
             except OSError as e:
                 log.error("unpinning %s after a failed ADD: %s", netns, e)
 
@@ -510,9 +512,9 @@ class CniHandler:
         if not path or self.uninstalling:
             return
         try:
-            check_netns_path(path)
-            ident = netns_identity(path)
-            if ident in host_netns_identities():
+            self.dataplane.check_netns(path)
+            ident = self.dataplane.identity(path)
+            if ident in self.dataplane.host_identities():
                 return
             self.store.put_seen(SeenPod(
                 container_id=req["container_id"], uid=pod.uid, namespace=pod.namespace,
@@ -530,7 +532,7 @@ class CniHandler:
             if seen is None or self.store.get(container_id) is not None:
                 return False
             try:
-                ident = netns_identity(seen.kubelet_netns)
+                ident = self.dataplane.identity(seen.kubelet_netns)
             except OSError:
                 ident = None
             if ident is None or list(ident) != list(seen.netns_id):
@@ -597,13 +599,13 @@ class CniHandler:
             if record is None:
                 return False
             try:
-                ident: list[int] = list(netns_identity(record.netns))
+                ident: list[int] = list(self.dataplane.identity(record.netns))
             except OSError:
                 ident = []
             try:
-                nft.apply_ruleset(record.netns, render_releasing())
+                self.dataplane.apply(record.netns, render_releasing())
                 pending = True
-            except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+            except DATAPLANE_ERRORS as e:
                 log.warning("releasing %s: %s; dropping its table at once", record.key, e)
                 try:
                     self._drop_table(record.netns)
@@ -623,13 +625,13 @@ class CniHandler:
                 self._start_finisher()
             elif record.pinned:
                 try:
-                    unpin(record.netns)
+                    self.dataplane.unpin(record.netns)
                 except OSError as e:
                     log.error("releasing %s: unpin %s: %s", record.key, record.netns, e)
             self.store.remove(container_id)
             if remember and ident and record.kubelet_netns:
                 try:
-                    now = list(netns_identity(record.kubelet_netns))
+                    now = list(self.dataplane.identity(record.kubelet_netns))
                 except OSError:
                     now = []
                 if now == ident:
@@ -691,7 +693,7 @@ class CniHandler:
                               e.details)
                 if pinned and os.path.lexists(netns):
                     try:
-                        unpin(netns)
+                        self.dataplane.unpin(netns)
                     except OSError as e:
                         log.error("unpinning %s after its release: %s", netns, e)
 
@@ -707,8 +709,8 @@ class CniHandler:
             if record is None or record.policy == policy:
                 return False
             try:
-                fp = nft.apply_ruleset(record.netns, render_ruleset(policy))
-            except (nft.NftError, NetnsError, OSError, TimeoutError) as e:
+                fp = self.dataplane.apply(record.netns, render_ruleset(policy))
+            except DATAPLANE_ERRORS as e:
                 log.error("re-applying the capture of %s failed: %s; the previous rules stay",
                           record.key, e)
                 return False
@@ -750,12 +752,12 @@ class CniHandler:
             raise CniFailure(p.ERR_TRY_AGAIN, f"removing the listener of {record.key} failed",
                              str(e)) from e
         self._drop_table(record.netns)
-        if record.pinned and record.kubelet_netns and _stale(record.netns) \
+        if record.pinned and record.kubelet_netns and self._stale(record.netns) \
                 and self._unowned(record.kubelet_netns, record.container_id):
             self._drop_table(record.kubelet_netns)  # the pin's mount is gone, the netns may not be
         if record.pinned:
             try:
-                unpin(record.netns)
+                self.dataplane.unpin(record.netns)
             except OSError as e:
                 raise CniFailure(p.ERR_TRY_AGAIN, f"unpinning netns of {record.key}", str(e)) from e
         self.store.remove(record.container_id)
@@ -775,7 +777,7 @@ class CniHandler:
         ident: NetnsId | None = None
         if req["netns"]:
             try:
-                ident = netns_identity(req["netns"])
+                ident = self.dataplane.identity(req["netns"])
             except OSError:
                 ident = None
         for rec in self.store.all():
@@ -785,7 +787,7 @@ class CniHandler:
                 return rec
             if ident is not None:
                 try:
-                    if netns_identity(rec.netns) == ident:
+                    if self.dataplane.identity(rec.netns) == ident:
                         return rec
                 except OSError:
                     continue
@@ -795,15 +797,15 @@ class CniHandler:
         """May a DEL for unknown container `cid` clean `netns`? Not the node's own netns, not a
         netns another container's record (or an ADD in progress) owns."""
         try:
-            ident = netns_identity(netns)
+            ident = self.dataplane.identity(netns)
         except OSError:
             return True  # gone or unreachable: nothing of anyone's to protect there
-        if ident in host_netns_identities():
+        if ident in self.dataplane.host_identities():
             log.warning("DEL %s: netns %s is the node's own network namespace: left alone",
                         cid, netns, extra={"container_id": cid})
             return False
         with self._claims_guard:
-            owner = self.store.netns_owner(ident, netns_identity, exclude=cid)
+            owner = self.store.netns_owner(ident, self.dataplane.identity, exclude=cid)
             claimed = self._netns_claims.get(ident)
         if owner is not None or (claimed is not None and claimed != cid):
             who = owner.key + f" (container {owner.container_id})" if owner else f"container {claimed}"
@@ -814,13 +816,13 @@ class CniHandler:
 
     def _drop_table(self, netns: str) -> None:
         try:
-            nft.delete_table(netns)
+            self.dataplane.drop(netns)
         except NetnsGone:
             pass  # the namespace is gone and its rules with it
-        except (NetnsError, nft.NftError, OSError) as e:
+        except DATAPLANE_ERRORS as e:
             if not os.path.exists(netns):
                 return
-            if _stale(netns):  # not a namespace (a pin whose mount is gone): no table there
+            if self._stale(netns):  # not a namespace (a pin whose mount is gone): no table there
                 log.info("%s is not a network namespace (%s): no capture table to remove",
                          netns, e)
                 return
@@ -835,7 +837,7 @@ class CniHandler:
             return
         if req["netns"]:
             try:
-                mismatch = netns_identity(req["netns"]) != netns_identity(record.netns)
+                mismatch = self.dataplane.identity(req["netns"]) != self.dataplane.identity(record.netns)
             except OSError:
                 mismatch = False  # one of them is gone: the table check below tells
             if mismatch:
@@ -845,8 +847,8 @@ class CniHandler:
                     f"{req['netns']}",
                 )
         try:
-            live = nft.live_fingerprint(record.netns)
-        except (NetnsError, nft.NftError, OSError) as e:
+            live = self.dataplane.live_fingerprint(record.netns)
+        except DATAPLANE_ERRORS as e:
             raise CniFailure(p.ERR_CHECK_DRIFT, f"cannot read capture rules of {record.key}",
                              str(e)) from e
         if live is None:
@@ -888,14 +890,6 @@ def _source_problems(source: Any) -> str:
                 seen.append(str(problem))
         source = getattr(source, "inner", None)
     return "; ".join(seen[:5])
-
-
-def _stale(path: str) -> bool:
-    """`path` exists but is no network namespace (e.g. a pin file whose mount is gone)."""
-    try:
-        return netns_state(path) == "stale"
-    except OSError:
-        return False
 
 
 def _fault(point: str) -> None:

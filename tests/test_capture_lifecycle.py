@@ -1,0 +1,188 @@
+"""ADD's success and every rollback branch, with a fake capture dataplane (no root, no netns):
+what was done to the pod's netns is undone in reverse when a later step fails, the add
+intent is always closed, and the answer says why. The root integration tests keep the real
+thing honest (integration/test_cni_*.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.cni import codes
+from agent.cni.handler import CniHandler
+from agent.config import NodeConfig
+from agent.netns.enter import NetnsId
+from agent.source.manifests import ManifestSource
+from agent.state import CapturedPod, StateStore
+
+POD_NETNS = "/proc/4242/ns/net"  # dies with the sandbox process: the ADD pins it
+
+
+class FakeDataplane:
+    """Records every call; ``fail`` names the one step that raises."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, str]] = []
+        self.tables: dict[str, str] = {}
+        self.pins: dict[str, str] = {}
+
+    def _step(self, name: str, arg: str) -> None:
+        self.calls.append((name, arg))
+        if name == self.fail:
+            raise OSError(5, f"{name} failed (fake)")
+
+    def check_netns(self, path: str) -> None:
+        self._step("check_netns", path)
+
+    def identity(self, path: str) -> NetnsId:
+        return (1, 4242)
+
+    def host_identities(self) -> set[NetnsId]:
+        return {(1, 1)}
+
+    def needs_pin(self, path: str) -> bool:
+        return path.startswith("/proc/")
+
+    def pin(self, source: str, target: str) -> None:
+        self._step("pin", target)
+        self.pins[target] = source
+
+    def unpin(self, target: str) -> None:
+        self._step("unpin", target)
+        self.pins.pop(target, None)
+
+    def is_stale_pin(self, path: str) -> bool:
+        return False
+
+    def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
+        self._step("apply", netns)
+        self.tables[netns] = ruleset
+        return "fp-1"
+
+    def drop(self, netns: str) -> bool:
+        self._step("drop", netns)
+        return self.tables.pop(netns, None) is not None
+
+    def live_fingerprint(self, netns: str) -> str | None:
+        return "fp-1" if netns in self.tables else None
+
+    def listing(self, netns: str) -> str | None:
+        return self.tables.get(netns)
+
+
+class Sink:
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.added: list[str] = []
+
+    def add_pod(self, pod: CapturedPod) -> None:
+        if self.refuse:
+            raise TimeoutError("Envoy did not ACK the listener (fake)")
+        self.added.append(pod.container_id)
+
+    def remove_pod(self, pod: CapturedPod) -> None:
+        if pod.container_id in self.added:  # removing a listener never confirmed is fine
+            self.added.remove(pod.container_id)
+
+
+class FailingStore(StateStore):
+    def put(self, record: CapturedPod) -> None:
+        raise OSError(28, "No space left on device (fake)")
+
+
+def _handler(tmp_path: Path, dp: FakeDataplane, sink: Sink | None = None,
+             store_cls: type[StateStore] = StateStore) -> CniHandler:
+    m = tmp_path / "m"
+    m.mkdir(exist_ok=True)
+    (m / "objs.yaml").write_text(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: app, labels: {aether.io/managed: 'true'}}\n"
+        "---\napiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: app, uid: u-web}\n")
+    return CniHandler(NodeConfig(run_dir=str(tmp_path / "run")), ManifestSource(str(m)),
+                      store_cls(str(tmp_path / "state.json")), sink or Sink(), dataplane=dp)
+
+
+def _add(h: CniHandler, command: str = "ADD") -> dict[str, Any]:
+    return h.handle({"command": command, "container_id": "c1", "netns": POD_NETNS,
+                     "ifname": "eth0", "netconf": {}, "ips": ["10.1.0.5/24"],
+                     "args": {"K8S_POD_NAMESPACE": "app", "K8S_POD_NAME": "web"}})
+
+
+def _pin_path(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "netns" / "c1")
+
+
+def test_add_pins_programs_records_and_serves(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    h = _handler(tmp_path, dp, sink)
+    out = _add(h)
+    assert out["ok"] is True
+    pinned = _pin_path(tmp_path)
+    assert [c for c, _ in dp.calls] == ["check_netns", "pin", "apply"]
+    assert dp.pins == {pinned: POD_NETNS} and "redirect" in dp.tables[pinned]
+    (rec,) = h.store.all()
+    assert (rec.netns, rec.kubelet_netns, rec.pinned, rec.fingerprint) == (pinned, POD_NETNS,
+                                                                          True, "fp-1")
+    assert sink.added == ["c1"] and h.counters.add_ok == 1
+    assert h.store.intents() == []  # the intent is closed
+
+
+def test_add_whose_rules_fail_releases_the_pin(tmp_path: Path) -> None:
+    dp = FakeDataplane(fail="apply")
+    h = _handler(tmp_path, dp)
+    out = _add(h)
+    assert out["ok"] is False and out["code"] == codes.ERR_CAPTURE_FAILED
+    assert "programming capture rules" in out["msg"] and "pod not started" in out["msg"]
+    assert [c for c, _ in dp.calls] == ["check_netns", "pin", "apply", "unpin"]
+    assert dp.pins == {} and dp.tables == {} and h.store.all() == []
+    assert h.store.intents() == []
+
+
+def test_add_whose_pin_fails_touches_nothing_else(tmp_path: Path) -> None:
+    dp = FakeDataplane(fail="pin")
+    h = _handler(tmp_path, dp)
+    out = _add(h)
+    assert out["ok"] is False and "cannot pin netns" in out["msg"]
+    assert [c for c, _ in dp.calls] == ["check_netns", "pin"]
+    assert dp.tables == {} and h.store.all() == [] and h.store.intents() == []
+
+
+def test_add_whose_record_cannot_be_written_removes_rules_then_pin(tmp_path: Path) -> None:
+    dp = FakeDataplane()
+    h = _handler(tmp_path, dp, store_cls=FailingStore)
+    out = _add(h)
+    assert out["ok"] is False and "cannot record the capture" in out["msg"]
+    pinned = _pin_path(tmp_path)
+    # undone in reverse: the table, then the pin
+    assert dp.calls[-2:] == [("drop", pinned), ("unpin", pinned)]
+    assert dp.tables == {} and dp.pins == {} and h.store.intents() == []
+
+
+def test_add_whose_listener_is_refused_fails_and_del_cleans_up(tmp_path: Path) -> None:
+    """The proxy did not confirm the listener: the ADD fails (the pod is not started, so
+    its traffic is never refused by a missing listener); the record stays so the DEL that
+    follows a failed ADD (CNI spec) removes the rules and the pin."""
+    dp, sink = FakeDataplane(), Sink(refuse=True)
+    h = _handler(tmp_path, dp, sink)
+    out = _add(h)
+    assert out["ok"] is False and "did not confirm the capture listener" in out["msg"]
+    assert len(h.store.all()) == 1 and dp.tables and dp.pins
+    assert _add(h, command="DEL")["ok"] is True
+    assert h.store.all() == [] and dp.tables == {} and dp.pins == {}
+
+
+def test_add_into_a_missing_netns_is_refused_before_any_step(tmp_path: Path) -> None:
+    dp = FakeDataplane(fail="check_netns")
+    h = _handler(tmp_path, dp)
+    out = _add(h)
+    assert out["ok"] is False and out["code"] == codes.ERR_INVALID_ENV
+    assert dp.calls == [("check_netns", POD_NETNS)] and h.store.all() == []
+
+
+def test_the_node_netns_is_never_captured(tmp_path: Path) -> None:
+    dp = FakeDataplane()
+    dp.identity = lambda path: (1, 1)  # type: ignore[method-assign]
+    h = _handler(tmp_path, dp)
+    out = _add(h)
+    assert out["ok"] is False and "node's own network namespace" in out["msg"]
+    assert [c for c, _ in dp.calls] == ["check_netns"]
