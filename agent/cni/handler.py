@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from agent.capture.policy import CaptureDecision, decide, parse_bool
 from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
+from agent.cni.messages import CniRequest, ContainerId
 from agent.config import NodeConfig
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsError, NetnsGone, NetnsId
@@ -173,10 +174,10 @@ class CniHandler:
                     self._gc(request.get("netconf") or {})
                 return {"ok": True}
             req = self._validate(request)
-            with self._pod_lock(req["container_id"]):
-                if req["command"] == "ADD":
+            with self._pod_lock(req.container_id):
+                if req.command == "ADD":
                     outcome = "ok" if self._add(req) else "skipped"
-                elif req["command"] == "DEL":
+                elif req.command == "DEL":
                     self._del(req)
                     outcome = "ok"
                 else:
@@ -204,7 +205,7 @@ class CniHandler:
                 self.metrics.observe_cni(command, took, outcome)
 
     # -- validation ----------------------------------------------------------------------
-    def _validate(self, request: Any) -> dict[str, Any]:
+    def _validate(self, request: Any) -> CniRequest:
         if not isinstance(request, dict):
             raise CniFailure(p.ERR_BAD_REQUEST, "request is not a JSON object")
         command = request.get("command")
@@ -222,15 +223,11 @@ class CniHandler:
             raise CniFailure(p.ERR_BAD_REQUEST, "request fields have the wrong types")
         if netns and (not os.path.isabs(netns) or ".." in netns.split("/")):
             raise CniFailure(p.ERR_INVALID_ENV, f"netns path {netns!r} is not a clean absolute path")
-        return {
-            "command": command,
-            "container_id": cid,
-            "netns": netns,
-            "ifname": str(request.get("ifname") or ""),
-            "args": {str(k): str(v) for k, v in args.items()},
-            "netconf": netconf,
-            "ips": [str(i) for i in ips],
-        }
+        return CniRequest(
+            command=command, container_id=ContainerId(cid), netns=netns,
+            ifname=str(request.get("ifname") or ""),
+            args={str(k): str(v) for k, v in args.items()}, netconf=netconf,
+            ips=tuple(str(i) for i in ips))
 
     # -- STATUS and GC (CNI 1.1) ----------------------------------------------------------
     def _status(self) -> None:
@@ -260,18 +257,18 @@ class CniHandler:
             log.info("GC: %s (container %s) is not a valid attachment: releasing its capture",
                      record.key, record.container_id)
             with self._pod_lock(record.container_id):
-                self._del({"command": "DEL", "container_id": record.container_id,
-                           "netns": record.kubelet_netns, "ifname": record.ifname,
-                           "args": {}, "netconf": netconf, "ips": []})
+                self._del(CniRequest("DEL", ContainerId(record.container_id),
+                                     netns=record.kubelet_netns, ifname=record.ifname,
+                                     netconf=netconf))
 
     # -- ADD -----------------------------------------------------------------------------
-    def _redirect_all_default(self, netconf: dict[str, Any]) -> bool:
+    def _redirect_all_default(self, netconf: Mapping[str, Any]) -> bool:
         value = netconf.get("capture_redirect_all_default", False)
         if isinstance(value, bool):
             return value
         return bool(parse_bool(str(value)))
 
-    def _lookup(self, args: dict[str, str]) -> tuple[PodMeta, NamespaceMeta | None] | None:
+    def _lookup(self, args: Mapping[str, str]) -> tuple[PodMeta, NamespaceMeta | None] | None:
         """The pod and its namespace; None when the request is not for a pod.
 
         Unknown is not "no": a pod or namespace the source cannot answer for (not seen yet,
@@ -320,23 +317,23 @@ class CniHandler:
             pod = replace(pod, uid=uid)
         return pod, namespace
 
-    def _add(self, req: dict[str, Any]) -> bool:
+    def _add(self, req: CniRequest) -> bool:
         """True when the pod is now captured, False when it is not to be captured."""
-        cid, kubelet_netns = req["container_id"], req["netns"]
-        looked = self._lookup(req["args"])
+        cid, kubelet_netns = req.container_id, req.netns
+        looked = self._lookup(req.args)
         if looked is None:
             self.counters.add_skipped += 1
             log.info("ADD %s: no K8S_POD_NAMESPACE/K8S_POD_NAME, not a pod: not captured", cid)
             return False
         pod, namespace = looked
-        decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        decision = decide(pod, namespace, self.node, self._redirect_all_default(req.netconf))
         if decision.policy is not None and decision.policy.strict:
             # STRICT exempts the node's addresses (kubelet probes): read them now, a bridge
             # CNI may have given the node its gateway address in this very ADD
             decision = decide(pod, namespace, self.strict_node(max_age=0.0),
-                              self._redirect_all_default(req["netconf"]))
+                              self._redirect_all_default(req.netconf))
         if not cid.startswith("discovered-"):
-            self.last_redirect_all_default = self._redirect_all_default(req["netconf"])
+            self.last_redirect_all_default = self._redirect_all_default(req.netconf)
         if self.uninstalling:
             decision = CaptureDecision(False, "aether is being uninstalled from this node")
         fields = {"pod": pod.name, "namespace": pod.namespace, "container_id": cid}
@@ -390,11 +387,11 @@ class CniHandler:
                 if self._netns_claims.get(ident) == cid:
                     del self._netns_claims[ident]
 
-    def _capture(self, req: dict[str, Any], pod: PodMeta, decision: CaptureDecision,
+    def _capture(self, req: CniRequest, pod: PodMeta, decision: CaptureDecision,
                  fields: dict[str, str]) -> bool:
         """Pin, program, record, serve: the pod's netns is checked and claimed."""
         assert decision.policy is not None
-        cid, kubelet_netns = req["container_id"], req["netns"]
+        cid, kubelet_netns = req.container_id, req.netns
         netns = kubelet_netns
         pinned = False
         will_pin = self.dataplane.needs_pin(kubelet_netns)
@@ -435,8 +432,8 @@ class CniHandler:
             service_account=pod.service_account,
             netns=netns,
             kubelet_netns=kubelet_netns,
-            ifname=req["ifname"],
-            ips=req["ips"],
+            ifname=req.ifname,
+            ips=list(req.ips),
             policy=decision.policy,
             fingerprint=fp,
             reason=decision.reason,
@@ -444,7 +441,7 @@ class CniHandler:
             pinned=pinned,
             captured_at=time.time(),
             net_admin=pod.net_admin,
-            redirect_all_default=self._redirect_all_default(req["netconf"]),
+            redirect_all_default=self._redirect_all_default(req.netconf),
             workload=pod.workload,
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
@@ -505,10 +502,10 @@ class CniHandler:
                                  REASON_INVALID_ANNOTATION, message))
 
     # -- live enrollment and release (agent/enroll.py decides, these act) -----------------
-    def _remember(self, req: dict[str, Any], pod: PodMeta) -> None:
+    def _remember(self, req: CniRequest, pod: PodMeta) -> None:
         """An uncaptured pod with a netns: remember it so a later label or annotation change
         can capture it live. Best effort: never fails the ADD."""
-        path = req["netns"]
+        path = req.netns
         if not path or self.uninstalling:
             return
         try:
@@ -517,10 +514,10 @@ class CniHandler:
             if ident in self.dataplane.host_identities():
                 return
             self.store.put_seen(SeenPod(
-                container_id=req["container_id"], uid=pod.uid, namespace=pod.namespace,
-                name=pod.name, kubelet_netns=path, ifname=req["ifname"], ips=req["ips"],
+                container_id=req.container_id, uid=pod.uid, namespace=pod.namespace,
+                name=pod.name, kubelet_netns=path, ifname=req.ifname, ips=list(req.ips),
                 netns_id=list(ident), seen_at=time.time(),
-                redirect_all_default=self._redirect_all_default(req["netconf"])))
+                redirect_all_default=self._redirect_all_default(req.netconf)))
         except (NetnsError, OSError) as e:
             log.info("ADD %s: not remembered for live enrollment: %s", pod.key, e)
 
@@ -565,11 +562,11 @@ class CniHandler:
                      redirect_all_default: bool, namespace: str, name: str, uid: str,
                      how: str) -> bool:
         """ADD's own path for a running pod (the caller holds its lock)."""
-        req = {"command": "ADD", "container_id": container_id, "netns": netns,
-               "ifname": ifname, "ips": ips,
-               "netconf": {"capture_redirect_all_default": redirect_all_default},
-               "args": {"K8S_POD_NAMESPACE": namespace, "K8S_POD_NAME": name,
-                        "K8S_POD_UID": uid}}
+        req = CniRequest("ADD", ContainerId(container_id), netns=netns, ifname=ifname,
+                         ips=tuple(ips),
+                         netconf={"capture_redirect_all_default": redirect_all_default},
+                         args={"K8S_POD_NAMESPACE": namespace, "K8S_POD_NAME": name,
+                               "K8S_POD_UID": uid})
         fields = {"pod": name, "namespace": namespace}
         try:
             captured = self._add(req)
@@ -722,21 +719,21 @@ class CniHandler:
             return True
 
     # -- DEL -----------------------------------------------------------------------------
-    def _del(self, req: dict[str, Any]) -> None:
-        self.store.remove_seen(req["container_id"])
-        record = self.store.get(req["container_id"])
+    def _del(self, req: CniRequest) -> None:
+        self.store.remove_seen(req.container_id)
+        record = self.store.get(req.container_id)
         if record is None:
             found = self._discovered_for(req)
             if found is not None:  # kubelet's DEL of a pod found by its IP: release it
                 with self._pod_lock(found.container_id):
-                    self._del(dict(req, container_id=found.container_id,
-                                   netns=found.netns))
+                    self._del(req.but(container_id=ContainerId(found.container_id),
+                                      netns=found.netns))
                 return
             # Not ours (or already cleaned): still drop a table and a pin a crashed ADD may
             # have left behind, but only in a netns no record owns and never the node's own.
-            cid = req["container_id"]
-            if req["netns"] and self._unowned(req["netns"], cid):
-                self._drop_table(req["netns"])
+            cid = req.container_id
+            if req.netns and self._unowned(req.netns, cid):
+                self._drop_table(req.netns)
             # A leftover pin that is no longer a namespace (its mount is gone) is just removed.
             orphan = os.path.join(self.node.run_dir, "netns", cid)
             if os.path.lexists(orphan):
@@ -770,14 +767,14 @@ class CniHandler:
         log.info("DEL %s: capture removed", record.key,
                  extra={"pod": record.name, "namespace": record.namespace})
 
-    def _discovered_for(self, req: dict[str, Any]) -> CapturedPod | None:
+    def _discovered_for(self, req: CniRequest) -> CapturedPod | None:
         """The record of a pod enrolled by its IP (synthetic container id) that this DEL is
         for: same netns, or (netns already gone) the same pod uid."""
-        uid = req["args"].get("K8S_POD_UID", "")
+        uid = req.args.get("K8S_POD_UID", "")
         ident: NetnsId | None = None
-        if req["netns"]:
+        if req.netns:
             try:
-                ident = self.dataplane.identity(req["netns"])
+                ident = self.dataplane.identity(req.netns)
             except OSError:
                 ident = None
         for rec in self.store.all():
@@ -829,22 +826,22 @@ class CniHandler:
             raise CniFailure(p.ERR_TRY_AGAIN, f"removing capture rules from {netns}", str(e)) from e
 
     # -- CHECK ---------------------------------------------------------------------------
-    def _check(self, req: dict[str, Any]) -> None:
-        record = self.store.get(req["container_id"])
+    def _check(self, req: CniRequest) -> None:
+        record = self.store.get(req.container_id)
         if record is None:
             self._check_uncaptured(req)
             self.counters.check_ok += 1
             return
-        if req["netns"]:
+        if req.netns:
             try:
-                mismatch = self.dataplane.identity(req["netns"]) != self.dataplane.identity(record.netns)
+                mismatch = self.dataplane.identity(req.netns) != self.dataplane.identity(record.netns)
             except OSError:
                 mismatch = False  # one of them is gone: the table check below tells
             if mismatch:
                 raise CniFailure(
                     p.ERR_CHECK_DRIFT,
                     f"{record.key} was captured in {record.netns}, which is not its netns "
-                    f"{req['netns']}",
+                    f"{req.netns}",
                 )
         try:
             live = self.dataplane.live_fingerprint(record.netns)
@@ -866,18 +863,18 @@ class CniHandler:
         from agent.netns.addresses import current
         return dataclasses.replace(self.node, node_addresses=current(max_age))
 
-    def _check_uncaptured(self, req: dict[str, Any]) -> None:
+    def _check_uncaptured(self, req: CniRequest) -> None:
         """CHECK of a container without a record: fine unless policy says it is captured."""
-        looked = self._lookup(req["args"])
+        looked = self._lookup(req.args)
         if looked is None:
             return
         pod, namespace = looked
-        decision = decide(pod, namespace, self.node, self._redirect_all_default(req["netconf"]))
+        decision = decide(pod, namespace, self.node, self._redirect_all_default(req.netconf))
         if decision.captured:
             raise CniFailure(
                 p.ERR_CHECK_DRIFT,
                 f"{pod.key} is to be captured ({decision.reason}) but the agent has no capture "
-                f"for container {req['container_id']}: its traffic bypasses the mesh",
+                f"for container {req.container_id}: its traffic bypasses the mesh",
             )
 
 

@@ -1,0 +1,30 @@
+"""A CNI request as the agent's handler works with it: validated once, frozen, typed.
+
+The wire form (``{"command", "container_id", "netns", ...}`` from the request parser,
+agent.cni.request) becomes a ``CniRequest`` in ``CniHandler._validate``; the handler's own
+paths that act like a CNI call (GC releasing an attachment, live enrollment capturing a
+running pod) build one too. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NewType
+
+ContainerId = NewType("ContainerId", str)  # CNI_CONTAINERID: the sandbox's id
+
+
+@dataclass(frozen=True)
+class CniRequest:
+    command: str  # ADD | DEL | CHECK
+    container_id: ContainerId
+    netns: str = ""  # the path kubelet gave (may be empty on DEL)
+    ifname: str = ""
+    args: Mapping[str, str] = field(default_factory=dict)  # CNI_ARGS (K8S_POD_NAME, ...)
+    netconf: Mapping[str, Any] = field(default_factory=dict)  # our entry of the conflist
+    ips: tuple[str, ...] = ()  # the pod's addresses from prevResult
+
+    def but(self, **changes: Any) -> CniRequest:
+        """The same request with some fields changed (a DEL aimed at another record)."""
+        return replace(self, **changes)
