@@ -26,11 +26,15 @@ def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
         yield n
 
 
-def _service(node: EnvoyNode, spec: dict[str, Any], name: str = "web", ip: str = SVC_IP) -> None:
+def _service(node: EnvoyNode, spec: dict[str, Any], name: str = "web", ip: str = SVC_IP,
+             app_protocol: str | None = None) -> None:
+    port: dict[str, Any] = {"name": "http", "port": 80, "targetPort": 8080}
+    if app_protocol is not None:
+        port["appProtocol"] = app_protocol
     node.agent.write(f"svc-{name}.yaml", [{
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "app"},
         "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": {"app": "web"},
-                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}], **spec}}])
+                 "ports": [port], **spec}}])
 
 
 def _backends(node: EnvoyNode, n: int, deps: str = "app/web") -> tuple[list[Pod], Pod, list[Any]]:
@@ -311,9 +315,9 @@ def test_a_backend_traffic_policy_sets_the_services_retry_budget(enode: EnvoyNod
             e.shutdown()
 
 
-class _HoldingEcho:
-    """A TCP server in a pod's netns that echoes on every connection until the peer closes
-    (so connections through the proxy stay open as long as the test holds them)."""
+class _PodTcpServer:
+    """A TCP server in a pod's netns, a thread per connection running ``serve`` (which
+    closes it); ``conns`` keeps every accepted one so the test can close them all."""
 
     def __init__(self, netns: str, port: int = 8080) -> None:
         import socket
@@ -337,22 +341,32 @@ class _HoldingEcho:
             except OSError:
                 return
             self.conns.append(conn)
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve_and_close, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _echo(conn: Any) -> None:
+    def _serve_and_close(self, conn: Any) -> None:
         try:
-            while data := conn.recv(4096):
-                conn.sendall(data)
+            self.serve(conn)
         except OSError:
             pass
         finally:
             conn.close()
 
+    def serve(self, conn: Any) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
         self.sock.close()
         for c in self.conns:
             c.close()
+
+
+class _HoldingEcho(_PodTcpServer):
+    """Echoes on every connection until the peer closes (so connections through the proxy
+    stay open as long as the test holds them)."""
+
+    def serve(self, conn: Any) -> None:
+        while data := conn.recv(4096):
+            conn.sendall(data)
 
 
 def _connect(netns: str, ip: str = SVC_IP) -> Any:
@@ -422,11 +436,7 @@ def test_concurrent_request_limit_per_service(workdir: str, bridge_name: str) ->
     bound: their upstream pools are per downstream connection, see docs/service-semantics.md.)"""
     import threading
     with running(EnvoyNode(workdir, bridge_name, extra=["--max-requests-per-service", "1"])) as node:
-        node.agent.write("svc-web.yaml", [{
-            "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-            "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
-                     "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                                "appProtocol": "http"}]}}])
+        _service(node, {}, app_protocol="http")
         servers, client, echo = _backends(node, 1)
         try:
             _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
@@ -455,11 +465,7 @@ def test_an_endpoint_answering_5xx_is_ejected(enode: EnvoyNode) -> None:
     """Passive outlier detection on an HTTP Service (appProtocol http, no route): web-1
     answers every request 503; after 5 consecutive 5xx it is ejected (30 s), and the
     requests that follow all reach web-0. kube-proxy would keep sending it half."""
-    enode.agent.write("svc-web.yaml", [{
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
-                 "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                            "appProtocol": "http"}]}}])
+    _service(enode, {}, app_protocol="http")
     servers = [enode.pod(name=f"web-{i}", labels={"app": "web"}) for i in range(2)]
     client = enode.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
     for p in (*servers, client):
@@ -479,68 +485,37 @@ def test_an_endpoint_answering_5xx_is_ejected(enode: EnvoyNode) -> None:
         bad.shutdown()
 
 
-class _UpgradeEcho:
-    """A WebSocket-style server in a pod's netns: answers an ``Upgrade: websocket`` request
-    with 101 Switching Protocols, then echoes the raw bytes that follow until the peer
-    closes (what a WebSocket frame stream needs of the proxy: bytes both ways)."""
+class _UpgradeEcho(_PodTcpServer):
+    """A WebSocket-style server: answers an ``Upgrade: websocket`` request with 101
+    Switching Protocols, then echoes the raw bytes that follow until the peer closes (what a
+    WebSocket frame stream needs of the proxy: bytes both ways)."""
 
     def __init__(self, netns: str, port: int = 8080) -> None:
-        import socket
-        import threading
-
-        def listen() -> socket.socket:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("0.0.0.0", port))
-            s.listen(16)
-            return s
-        self.sock = run_in_netns(netns, listen)
         self.requests: list[bytes] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(netns, port)
 
-    def _accept(self) -> None:
-        import threading
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
+    def serve(self, conn: Any) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = conn.recv(4096)
+            if not chunk:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: Any) -> None:
-        try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
-            self.requests.append(head)
-            request, _, rest = head.partition(b"\r\n\r\n")
-            conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                         b"Connection: Upgrade\r\n\r\n")
-            if rest:
-                conn.sendall(rest)
-            while data := conn.recv(4096):
-                conn.sendall(data)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
+            head += chunk
+        self.requests.append(head)
+        _request, _, rest = head.partition(b"\r\n\r\n")
+        conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade\r\n\r\n")
+        if rest:
+            conn.sendall(rest)
+        while data := conn.recv(4096):
+            conn.sendall(data)
 
 
 def test_kubernetes_ws_app_protocol_carries_a_websocket_upgrade(enode: EnvoyNode) -> None:
     """appProtocol kubernetes.io/ws (the HTTP chain, no route): the Upgrade reaches the pod,
     its 101 reaches the client, and after it bytes flow both ways on the same connection,
     as they would without the mesh."""
-    enode.agent.write("svc-web.yaml", [{
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
-                 "ports": [{"name": "ws", "port": 80, "targetPort": 8080,
-                            "appProtocol": "kubernetes.io/ws"}]}}])
+    _service(enode, {}, app_protocol="kubernetes.io/ws")
     web = enode.pod(name="web-0", labels={"app": "web"})
     client = enode.pod(name="client", annotations={"aether.io/dependencies": "app/web"})
     for p in (web, client):
@@ -593,11 +568,7 @@ def test_session_persistence_keeps_a_session_on_one_endpoint(enode: EnvoyNode) -
     endpoints: the first answer sets the cookie; every request sending it back, each on a
     new connection, reaches the endpoint that answered first; requests without it are
     spread. Header-based sessions likewise. The policy gone, the cookie means nothing."""
-    enode.agent.write("svc-web.yaml", [{
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "web"},
-                 "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                            "appProtocol": "http"}]}}])
+    _service(enode, {}, app_protocol="http")
     servers, client, echo = _backends(enode, 3)
 
     def policy(session: dict[str, Any]) -> None:

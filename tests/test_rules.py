@@ -26,15 +26,19 @@ CASES = {
 }
 
 
+def _matches_golden(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.nft"
+    if os.environ.get("AETHER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden(name: str) -> None:
     d = decide(PodMeta("app", "p", annotations=CASES[name]), NS, NODE, True)
     assert d.policy is not None
     text = render_ruleset(d.policy)
-    path = GOLDEN / f"{name}.nft"
-    if os.environ.get("AETHER_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text()
+    _matches_golden(name, text)
 
 
 def test_rule_order_is_the_contract() -> None:
@@ -121,10 +125,7 @@ def test_strict_steers_other_inbound_connections_to_the_proxy() -> None:
     d = decide(PodMeta("app", "p", annotations={ANN_PEER_AUTH: "strict"}), NS, node, True)
     assert d.policy is not None and d.policy.strict
     text = render_ruleset(d.policy)
-    path = GOLDEN / "strict.nft"
-    if os.environ.get("AETHER_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text()
+    _matches_golden("strict", text)
     assert "type nat hook prerouting priority -100" in text
     rules = render_inbound_rules(d.policy)
     # the steering rule is last: nothing after it, every exemption before it
@@ -151,10 +152,7 @@ def test_golden_single_family(name: str, addresses: tuple[str, ...], ranges: str
                                                  ANN_EXCLUDE_RANGES: ranges}), NS, node, True)
     assert d.policy is not None
     text = render_ruleset(d.policy)
-    path = GOLDEN / f"{name}.nft"
-    if os.environ.get("AETHER_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text()
+    _matches_golden(name, text)
     other = "ip6 " if name.endswith("ipv4_only") else "ip "
     mine = [line.strip() for line in text.splitlines()
             if "exclude-outbound" in line or "the node" in line]
