@@ -60,6 +60,7 @@ def run(
     retry_budget_percent: Annotated[float, typer.Option(help="Retries a GAMMA route asks for may add at most this percentage of requests.")] = 20.0,
     traffic_metrics: Annotated[bool, typer.Option("--traffic-metrics/--no-traffic-metrics", help="Golden metrics (/metrics, aether-agent top): Envoy counts every connection and HTTP request in its stats, read at scrape time.")] = True,
     traffic_max_series: Annotated[int, typer.Option(help="Cardinality cap of the golden metrics: label sets held per node; past it, new ones are counted under 'other' (and the fold is counted).")] = 1000,
+    traffic_source_pods: Annotated[bool, typer.Option("--traffic-source-pods/--no-traffic-source-pods", help="Label the golden metrics with the calling pod too (src_pod), not only its workload: a series per pod, so pod churn grows Envoy's stats and uses the cardinality cap sooner. Off: one series per workload.")] = False,
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
@@ -157,7 +158,8 @@ def run(
                          concurrency=envoy_concurrency, access_log=access_log,
                          cgroup=proxy.directory if proxy.ok else None, identity=identity,
                          resilience=resilience, traffic_metrics=traffic_metrics,
-                         traffic_max_series=traffic_max_series)
+                         traffic_max_series=traffic_max_series,
+                         traffic_source_pods=traffic_source_pods)
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):

@@ -162,9 +162,9 @@ class _MeshTrafficCollector(Collector):
             "(identity, caller) series were already held.", value=float(st.get("folded") or 0))
 
 
-REQUEST_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service", "route",
-                  "code", "code_class", "grpc_status", "response_flags"]
-PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service"]
+# src_pod: the calling pod with --traffic-source-pods, "" (no value) otherwise
+PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod"]
+REQUEST_LABELS = [*PAIR_LABELS, "route", "code", "code_class", "grpc_status", "response_flags"]
 
 
 class _TrafficCollector(Collector):

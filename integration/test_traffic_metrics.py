@@ -267,3 +267,42 @@ def test_the_cardinality_cap_folds_new_callers_on_the_real_path(workdir: str, br
             assert folded and float(folded.group(1)) >= 2
         finally:
             srv.shutdown()
+
+
+def test_the_calling_pod_is_labelled_where_wanted(workdir: str, bridge_name: str) -> None:
+    """`--traffic-source-pods`: the real Envoy counts each calling pod apart (src_pod), with
+    its workload beside it; the counts are exact per pod."""
+    with running(EnvoyNode(workdir, bridge_name, extra=["--traffic-source-pods"])) as n:
+        n.agent.write("svcs.yaml", [
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
+                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                                 "appProtocol": "http"}]}}])
+        web = n.pod(name="web-0", labels={"app": "web"})
+        n.add(web)
+        callers = [n.pod(name=f"caller-{i}", annotations={"aether.io/dependencies": "app/web"})
+                   for i in range(2)]
+        for c in callers:
+            n.add(c)
+        srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
+        try:
+            for c in callers:
+                _until(lambda c=c: http_get_from(c.netns, WEB_IP, 80, count=1, timeout=3)[0][0]
+                       == 200, "Service web never answered")
+            sent = {"caller-0": 3, "caller-1": 5}
+            for c in callers:
+                got = http_get_from(c.netns, WEB_IP, 80, count=sent[c.name], timeout=5)
+                assert [s for s, _h, _b in got] == [200] * sent[c.name]
+
+            def per_pod() -> dict[str, float]:
+                text = n.agent.http("/metrics")[1]
+                return {p: _metric(text, "aether_requests_total", src_pod=p, dst_service="web")
+                        for p in sent}
+            # each pod's count: its probe request plus what it sent
+            _until(lambda: per_pod() == {p: k + 1 for p, k in sent.items()},
+                   f"per-pod counts never matched: {per_pod()}", timeout=FLUSH_S * 3)
+            text = n.agent.http("/metrics")[1]
+            assert _metric(text, "aether_requests_total", src_pod="caller-0",
+                           src_workload="caller-0") == 4  # the workload label stays
+        finally:
+            srv.shutdown()

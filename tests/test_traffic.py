@@ -119,11 +119,34 @@ def test_the_metrics_export_the_snapshot() -> None:
     out = m.render().decode()
     assert ('aether_requests_total{code="200",code_class="2xx",dst_namespace="app",'
             'dst_service="web",grpc_status="",response_flags="",route="",src_namespace="app",'
-            'src_workload="a"} 2.0') in out
+            'src_pod="",src_workload="a"} 2.0') in out
     assert ('aether_request_duration_seconds_count{dst_namespace="app",dst_service="web",'
-            'src_namespace="app",src_workload="a"} 2.0') in out
+            'src_namespace="app",src_pod="",src_workload="a"} 2.0') in out
     assert ('aether_request_duration_seconds_bucket{dst_namespace="app",dst_service="web",'
-            'le="0.01",src_namespace="app",src_workload="a"} 2.0') in out
+            'le="0.01",src_namespace="app",src_pod="",src_workload="a"} 2.0') in out
+
+
+def test_the_calling_pod_is_a_label_where_wanted() -> None:
+    """With --traffic-source-pods the capture listener's source is <ns>/<workload>/<pod>:
+    the pod becomes the src_pod label (one series per pod), the workload stays the workload;
+    without it src_pod is empty (no value in PromQL) and pods of a workload share series."""
+    from agent.envoy.resources import PodListener
+    assert PodListener("c1", "/n", namespace="app", workload="web").source == "app/web"
+    assert PodListener("c1", "/n", namespace="app", workload="web",
+                       source_pod="web-7d-x1").source == "app/web/web-7d-x1"
+    text = prom(requests=[("app/web/web-7d-x1", "svc|app|db|80|http", "-", "200", "-", "-", [5]),
+                          ("app/web/web-7d-x2", "svc|app|db|80|http", "-", "503", "-", "-", [5])],
+                tcp=[("app/web/web-7d-x1", "svc|app|pg|5432", "-", 2, 0, 0)])
+    snap = GoldenFold().snapshot(parse_prometheus(text))
+    rows = {(r["src_workload"], r["src_pod"], r["code"]) for r in snap["requests"]}  # type: ignore[attr-defined]
+    assert rows == {("web", "web-7d-x1", "200"), ("web", "web-7d-x2", "503")}
+    assert {d["src_pod"] for d in snap["durations"]} == {"web-7d-x1", "web-7d-x2"}  # type: ignore[attr-defined]
+    (t,) = snap["tcp"]  # type: ignore[misc]
+    assert (t["src_workload"], t["src_pod"]) == ("web", "web-7d-x1")
+    m = Metrics()
+    m.traffic_source = lambda: snap
+    out = m.render().decode()
+    assert 'src_pod="web-7d-x2",src_workload="web"} 1.0' in out
 
 
 def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:

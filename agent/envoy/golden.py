@@ -32,7 +32,9 @@ from envoy.extensions.access_loggers.stats.v3 import stats_pb2
 from agent.envoy.traffic import BUCKETS, MAX_SERIES, OTHER, Labels, destination
 
 STAT_PREFIX = "aether"
-SOURCE_STATE = "aether.source"  # filter state: "<namespace>/<workload>" of the calling pod
+# filter state: "<namespace>/<workload>" of the calling pod ("<namespace>/<workload>/<pod>"
+# with --traffic-source-pods)
+SOURCE_STATE = "aether.source"
 SOURCE_FORMAT = f"%FILTER_STATE({SOURCE_STATE}:PLAIN)%"
 # one stats namespace, read back with the admin's ``/stats/prometheus?filter=``
 STATS_FILTER = rf"^{STAT_PREFIX}\."
@@ -167,9 +169,11 @@ def parse_prometheus(text: str) -> Series:
     return out
 
 
-def _source(src: str) -> tuple[str, str]:
-    ns, _, workload = src.partition("/")
-    return (ns, workload) if ns and workload else ("unknown", "unknown")
+def _source(src: str) -> tuple[str, str, str]:
+    """``<ns>/<workload>[/<pod>]`` → (namespace, workload, pod or "")."""
+    ns, _, rest = src.partition("/")
+    workload, _, pod = rest.partition("/")
+    return (ns, workload, pod) if ns and workload else ("unknown", "unknown", "")
 
 
 def _interval(cumulative: dict[str, float]) -> list[int]:
@@ -204,18 +208,18 @@ class GoldenFold:
         connections by labels, request durations by (source, destination) pair."""
         folded = 0.0
         requests: dict[Labels, float] = {}
-        durations: dict[tuple[str, str, str, str], tuple[list[int], float]] = {}
+        durations: dict[tuple[str, ...], tuple[list[int], float]] = {}
         for (src, chain, route, code, grpc, flags), (cum, total_us) in sorted(
                 series.requests.items()):
-            ns, workload = _source(src)
+            ns, workload, pod = _source(src)
             dst_ns, dst = destination(chain)
             n = cum.get("+Inf", 0.0)
             labels = Labels(ns, workload, dst_ns, dst, route=route,
                             code="" if code in ("0", "") else code,
-                            grpc_status=GRPC_CODES.get(grpc, grpc), flags=flags)
-            pair = (ns, workload, dst_ns, dst)
+                            grpc_status=GRPC_CODES.get(grpc, grpc), flags=flags, src_pod=pod)
+            pair = (ns, workload, dst_ns, dst, pod)
             if not self._keep(labels):
-                labels, folded, pair = _OTHER, folded + n, (OTHER, OTHER, OTHER, OTHER)
+                labels, folded, pair = _OTHER, folded + n, (OTHER, OTHER, OTHER, OTHER, "")
             requests[labels] = requests.get(labels, 0.0) + n
             counts = _interval(cum)
             old, old_total = durations.get(pair, ([0] * len(counts), 0.0))
@@ -223,13 +227,13 @@ class GoldenFold:
                                old_total + total_us / 1e6)
         tcp: dict[Labels, float] = {}
         for (src, chain, flags), conns in sorted(series.tcp.items()):
-            ns, workload = _source(src)
+            ns, workload, pod = _source(src)
             dst_ns, dst = destination(chain)
-            labels = Labels(ns, workload, dst_ns, dst, flags=flags)
+            labels = Labels(ns, workload, dst_ns, dst, flags=flags, src_pod=pod)
             if not self._keep(labels):
                 labels, folded = _OTHER, folded + conns
             tcp[labels] = tcp.get(labels, 0.0) + conns
-        pair_keys = ("src_namespace", "src_workload", "dst_namespace", "dst_service")
+        pair_keys = ("src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod")
         return {
             "requests": [{**_public(lab), "count": int(n)} for lab, n in requests.items()],
             "durations": [{**dict(zip(pair_keys, pair, strict=True)), "buckets": b,
@@ -242,7 +246,7 @@ class GoldenFold:
 def _public(lab: Labels, tcp_only: bool = False) -> dict[str, str]:
     out = {"src_namespace": lab.src_namespace, "src_workload": lab.src_workload,
            "dst_namespace": lab.dst_namespace, "dst_service": lab.dst_service,
-           "flags": lab.flags}
+           "flags": lab.flags, "src_pod": lab.src_pod}
     if not tcp_only:
         out.update(route=lab.route, code=lab.code, grpc_status=lab.grpc_status)
     return out

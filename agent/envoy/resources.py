@@ -161,11 +161,15 @@ class PodListener:
     ips: tuple[str, ...] = ()
     # Its workload (the owner, not the pod): the source the golden metrics count it under.
     workload: str = ""
+    # The pod's name when the golden metrics label the calling pod (--traffic-source-pods)
+    source_pod: str = ""
 
     @property
     def source(self) -> str:
-        """``<namespace>/<workload>`` (the listener's uid when the workload is unknown)."""
-        return f"{self.namespace or DEFAULT_NAMESPACE}/{self.workload or self.uid}"
+        """``<namespace>/<workload>`` (the listener's uid when the workload is unknown), and
+        ``/<pod>`` when the metrics label the calling pod."""
+        src = f"{self.namespace or DEFAULT_NAMESPACE}/{self.workload or self.uid}"
+        return f"{src}/{self.source_pod}" if self.source_pod else src
 
     @property
     def identity(self) -> str:

@@ -53,18 +53,20 @@ def listener_name(pod: CapturedPod) -> str:
     return f"capture-{pod.container_id}"
 
 
-def pod_listener(pod: CapturedPod) -> PodListener:
+def pod_listener(pod: CapturedPod, source_pods: bool = False) -> PodListener:
     """The pod's listener on the loopback families its netns really has (a pod with IPv6
     disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind)."""
     v4, v6 = loopback_families(pod.netns)
-    return _listener_of(pod, v4, v6)
+    return _listener_of(pod, v4, v6, source_pods)
 
 
-def _listener_of(pod: CapturedPod, ipv4: bool = True, ipv6: bool = True) -> PodListener:
+def _listener_of(pod: CapturedPod, ipv4: bool = True, ipv6: bool = True,
+                 source_pods: bool = False) -> PodListener:
     return PodListener(uid=pod.container_id, netns_path=pod.netns, namespace=pod.namespace,
                        ipv4=ipv4, ipv6=ipv6, service_account=pod.service_account or "default",
                        ips=tuple(ip.split("/")[0] for ip in pod.ips),
-                       workload=pod.workload or pod.name)
+                       workload=pod.workload or pod.name,
+                       source_pod=pod.name if source_pods else "")
 
 
 class EnvoySink:
@@ -73,8 +75,9 @@ class EnvoySink:
                  hang_timeout: float = 15.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
                  resilience: Resilience | None = None, traffic_metrics: bool = True,
-                 traffic_max_series: int = MAX_SERIES) -> None:
+                 traffic_max_series: int = MAX_SERIES, traffic_source_pods: bool = False) -> None:
         self.traffic_metrics = traffic_metrics  # every connection and request counted in Envoy
+        self.traffic_source_pods = traffic_source_pods  # the golden metrics' src_pod label
         # a JSON record per captured connection and HTTP request (agent.access logger)
         self.access_log = access_log
         # outlier detection, connect retries, limits on every Service cluster
@@ -143,12 +146,13 @@ class EnvoySink:
         with self._lock:
             for pod in pods:
                 try:
-                    self._pods[pod.container_id] = pod_listener(pod)
+                    self._pods[pod.container_id] = pod_listener(pod, self.traffic_source_pods)
                 except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
                     # reconcile re-pins or drops it next; until then serve what was recorded
                     log.warning("cannot read the loopback of recorded pod %s (%s): serving "
                                 "both families until reconcile settles it", pod.key, e)
-                    self._pods[pod.container_id] = _listener_of(pod)
+                    self._pods[pod.container_id] = _listener_of(
+                        pod, source_pods=self.traffic_source_pods)
                 if self.identity is not None:
                     self.identity.attach(self._pods[pod.container_id].identity, pod.key)
 
@@ -430,7 +434,7 @@ class EnvoySink:
 
     def add_pod(self, pod: CapturedPod) -> None:
         try:
-            listener = pod_listener(pod)
+            listener = pod_listener(pod, self.traffic_source_pods)
         except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
             raise ListenerNotConfirmed(f"cannot read the loopback of {pod.key}: {e}") from e
         if self.identity is not None:

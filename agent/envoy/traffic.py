@@ -67,6 +67,8 @@ class Labels:
     code: str = ""
     grpc_status: str = ""
     flags: str = ""
+    # the calling pod, with --traffic-source-pods only ("" otherwise: one series a workload)
+    src_pod: str = ""
 
 
 def destination(cluster: str) -> tuple[str, str]:
