@@ -23,7 +23,7 @@ from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni.server import UnixJsonServer, json_handler
 from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
-from agent.netns.dataplane import DATAPLANE_ERRORS
+from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane
 from agent.netns.enter import NetnsError
 from agent.netns.pin import pins_visible_to, share_pin_dir
 from agent.recovery import recover_interrupted_adds
@@ -75,7 +75,7 @@ class AgentOptions:
 class Agent:
     def __init__(
         self, node: NodeConfig, source: MetadataSource, sink: ListenerSink | None = None,
-        options: AgentOptions | None = None,
+        options: AgentOptions | None = None, dataplane: CaptureDataplane | None = None,
     ) -> None:
         self.node = node
         self.source = source
@@ -94,7 +94,7 @@ class Agent:
         self._sources_cache: dict[str, Any] = {}  # capture listener → traffic Source
         os.makedirs(node.run_dir, mode=0o755, exist_ok=True)
         self.store = StateStore(os.path.join(node.run_dir, "pods"))
-        self.handler = CniHandler(node, source, self.store, self.sink)
+        self.handler = CniHandler(node, source, self.store, self.sink, dataplane=dataplane)
         self.dataplane = self.handler.dataplane  # reconcile acts through the handler's
         too_large = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 103, '
                                         '"msg": "request larger than 1 MiB rejected"}'))

@@ -1,4 +1,5 @@
-"""ADD's success and every rollback branch, with a fake capture dataplane (no root, no netns):
+"""ADD's success and every rollback branch, and reconcile at start, with a fake capture
+dataplane (no root, no netns):
 what was done to the pod's netns is undone in reverse when a later step fails, the add
 intent is always closed, and the answer says why. The root integration tests keep the real
 thing honest (integration/test_cni_*.py)."""
@@ -186,3 +187,61 @@ def test_the_node_netns_is_never_captured(tmp_path: Path) -> None:
     out = _add(h)
     assert out["ok"] is False and "node's own network namespace" in out["msg"]
     assert [c for c, _ in dp.calls] == ["check_netns"]
+
+
+# ---- reconcile at start (agent.app.Agent.reconcile), through the same fake ---------------
+
+def _agent_with(tmp_path: Path, dp: FakeDataplane, sink: Sink) -> Any:
+    from agent.app import Agent
+    h = _handler(tmp_path, dp, sink)  # writes the manifests, makes the node config
+    return Agent(h.node, h.source, sink, dataplane=dp)
+
+
+def _recorded(agent: Any, netns: str = "/var/run/netns/cni-1", fp: str = "fp-1") -> CapturedPod:
+    from agent.capture.policy import decide
+    from agent.source.model import NamespaceMeta, PodMeta
+    d = decide(PodMeta("app", "web", uid="u-web"),
+               NamespaceMeta("app", labels={"aether.io/managed": "true"}), agent.node, True)
+    assert d.policy is not None
+    pod = CapturedPod(container_id="c1", uid="u-web", namespace="app", name="web",
+                      service_account="default", netns=netns, kubelet_netns=netns,
+                      ifname="eth0", ips=["10.1.0.5/24"], policy=d.policy, fingerprint=fp,
+                      reason=d.reason, problems=[], pinned=False, captured_at=0.0)
+    agent.store.put(pod)
+    return pod
+
+
+def test_reconcile_reprograms_a_drifted_table_and_restores_the_listener(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    _recorded(agent, fp="fp-old")  # the kernel holds no table there (lost, or edited away)
+    agent.reconcile()
+    assert ("apply", "/var/run/netns/cni-1") in dp.calls
+    (rec,) = agent.store.all()
+    assert rec.fingerprint == "fp-1"  # the record follows what the kernel now holds
+    assert sink.added == ["c1"]
+    assert any("re-programmed" in n for n in agent.reconcile_report)
+
+
+def test_reconcile_drops_a_pod_whose_netns_is_gone(tmp_path: Path) -> None:
+    from agent.netns.enter import NetnsError
+
+    def gone(path: str) -> None:
+        raise NetnsError(f"{path}: no such network namespace (fake)")
+    dp, sink = FakeDataplane(), Sink()
+    dp.check_netns = gone  # type: ignore[method-assign]
+    agent = _agent_with(tmp_path, dp, sink)
+    _recorded(agent)
+    agent.reconcile()
+    assert agent.store.all() == [] and sink.added == []
+    assert not any(c == "apply" for c, _ in dp.calls)  # nothing programmed into a dead netns
+    assert any("gone" in n for n in agent.reconcile_report)
+
+
+def test_reconcile_reports_a_table_it_cannot_program(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(fail="apply"), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    _recorded(agent, fp="fp-old")
+    agent.reconcile()
+    assert any("re-programming failed" in n for n in agent.reconcile_report)
+    assert len(agent.store.all()) == 1  # kept: the next CHECK or repair sees the drift
