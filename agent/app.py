@@ -478,10 +478,9 @@ class Agent:
     def _drop_leftover_release_tables(self) -> None:
         """A pod released live keeps an empty table for a few seconds; an agent that died in
         them left it behind. An uncaptured pod never holds one: drop it."""
-        from agent.netns.enter import netns_identity
         for seen in self.store.all_seen():
             try:
-                if list(netns_identity(seen.kubelet_netns)) != list(seen.netns_id):
+                if list(self.dataplane.identity(seen.kubelet_netns)) != list(seen.netns_id):
                     continue
                 if self.dataplane.listing(seen.kubelet_netns) is not None:
                     self.dataplane.drop(seen.kubelet_netns)

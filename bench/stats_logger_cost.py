@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from agent.envoy.golden import KEY_SEP, REQUEST_FIELDS, SOURCE_STATE
+from integration.conftest import free_port
 
 BODY = "x" * 1024
 
@@ -82,16 +83,8 @@ def config(variant: str, port: int, admin: int) -> dict[str, Any]:
                              "typed_config": hcm}]}]}]}}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def instructions_per_request(variant: str, requests: int, workdir: str, base_id: int) -> float:
-    port, admin = _free_port(), _free_port()
+    port, admin = free_port(), free_port()
     path = os.path.join(workdir, f"{variant}.json")
     with open(path, "w") as f:
         json.dump(config(variant, port, admin), f)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -228,6 +229,27 @@ def test_passthrough_classes_and_open_connections_come_from_envoys_stats(tnode: 
             h.close()
 
 
+def _web_and_callers(n: EnvoyNode, names: list[str]) -> tuple[list[Any], Any]:
+    """Service web (appProtocol http) over pod web-0, and one caller pod per name; returns
+    the callers and web-0's server once each caller has had one answer (one request each)."""
+    n.agent.write("svcs.yaml", [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+         "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
+                  "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                             "appProtocol": "http"}]}}])
+    web = n.pod(name="web-0", labels={"app": "web"})
+    n.add(web)
+    callers = [n.pod(name=name, annotations={"aether.io/dependencies": "app/web"})
+               for name in names]
+    for c in callers:
+        n.add(c)
+    srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
+    for c in callers:
+        _until(lambda c=c: http_get_from(c.netns, WEB_IP, 80, count=1, timeout=3)[0][0] == 200,
+               "Service web never answered")
+    return callers, srv
+
+
 def test_the_cardinality_cap_folds_new_callers_on_the_real_path(workdir: str, bridge_name: str
                                                                ) -> None:
     """With the cap lowered to 3 label sets (`--traffic-max-series 3`; 1000 by default, held
@@ -235,22 +257,9 @@ def test_the_cardinality_cap_folds_new_callers_on_the_real_path(workdir: str, br
     caller pods: at most 3 sets plus 'other' are exported, the fold is counted, and every
     request is still counted."""
     with running(EnvoyNode(workdir, bridge_name, extra=["--traffic-max-series", "3"])) as n:
-        n.agent.write("svcs.yaml", [
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
-                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                                 "appProtocol": "http"}]}}])
-        web = n.pod(name="web-0", labels={"app": "web"})
-        n.add(web)
-        callers = [n.pod(name=f"caller{i}-0", annotations={"aether.io/dependencies": "app/web"})
-                   for i in range(5)]
-        for c in callers:
-            n.add(c)
-        srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
+        callers, srv = _web_and_callers(n, [f"caller{i}-0" for i in range(5)])
         try:
             for c in callers:
-                _until(lambda c=c: http_get_from(c.netns, WEB_IP, 80, count=1, timeout=3)[0][0]
-                       == 200, "Service web never answered")
                 assert [s for s, _h, _b in http_get_from(c.netns, WEB_IP, 80, count=2,
                                                          timeout=5)] == [200, 200]
 
@@ -273,22 +282,8 @@ def test_the_calling_pod_is_labelled_where_wanted(workdir: str, bridge_name: str
     """`--traffic-source-pods`: the real Envoy counts each calling pod apart (src_pod), with
     its workload beside it; the counts are exact per pod."""
     with running(EnvoyNode(workdir, bridge_name, extra=["--traffic-source-pods"])) as n:
-        n.agent.write("svcs.yaml", [
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
-                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                                 "appProtocol": "http"}]}}])
-        web = n.pod(name="web-0", labels={"app": "web"})
-        n.add(web)
-        callers = [n.pod(name=f"caller-{i}", annotations={"aether.io/dependencies": "app/web"})
-                   for i in range(2)]
-        for c in callers:
-            n.add(c)
-        srv = http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
+        callers, srv = _web_and_callers(n, ["caller-0", "caller-1"])
         try:
-            for c in callers:
-                _until(lambda c=c: http_get_from(c.netns, WEB_IP, 80, count=1, timeout=3)[0][0]
-                       == 200, "Service web never answered")
             sent = {"caller-0": 3, "caller-1": 5}
             for c in callers:
                 got = http_get_from(c.netns, WEB_IP, 80, count=sent[c.name], timeout=5)
