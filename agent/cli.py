@@ -64,6 +64,7 @@ def run(
     envoy_concurrency: Annotated[int, typer.Option(help="Envoy worker threads (0: half the CPUs).")] = 0,
     envoy_on_exit: Annotated[str, typer.Option(help="auto (keep Envoy serving across an agent restart unless our DaemonSet is gone), stop, or keep.")] = "auto",
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
+    envoy_busy_timeout: Annotated[float, typer.Option(help="Seconds of admin silence tolerated while Envoy's main thread keeps working (applying a big config push) before it counts as hung.")] = 180.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
     identity_ca_dir: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs this agent signs with DIR/ca.crt + DIR/ca.key (standalone nodes, the demo, tests; not for production clusters). Without an identity provider the mesh hop is plaintext.")] = None,
@@ -155,6 +156,7 @@ def run(
             max_requests=max_requests_per_service, retry_budget_percent=retry_budget_percent)
         sink = EnvoySink(node, binary=envoy_binary, admin_port=envoy_admin_port,
                          ack_timeout=listener_timeout, hang_timeout=envoy_hang_timeout,
+                         hang_busy_timeout=envoy_busy_timeout,
                          concurrency=envoy_concurrency, access_log=access_log,
                          cgroup=proxy.directory if proxy.ok else None, identity=identity,
                          resilience=resilience, traffic_metrics=traffic_metrics,

@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 
 from agent.config import NodeConfig
+from agent.envoy import watchdog
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
 from agent.envoy.golden import GoldenFold
 from agent.envoy.listener_view import (
@@ -30,6 +31,7 @@ from agent.envoy.listener_view import (
 from agent.envoy.resources import LISTENER_TYPE, NodeXdsState, PodListener, Resilience
 from agent.envoy.supervisor import EnvoySupervisor, LogTailer, envoy_child
 from agent.envoy.traffic import MAX_SERIES, AccessRecorder
+from agent.envoy.watchdog import main_thread_cpu
 from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
@@ -72,7 +74,7 @@ def _listener_of(pod: CapturedPod, ipv4: bool = True, ipv6: bool = True,
 class EnvoySink:
     def __init__(self, node: NodeConfig, binary: str | None = None, admin_port: int | None = None,
                  ack_timeout: float = 10.0, delta: bool = True, concurrency: int = 0,
-                 hang_timeout: float = 15.0, cgroup: str | None = None,
+                 hang_timeout: float = 15.0, hang_busy_timeout: float = 180.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
                  resilience: Resilience | None = None, traffic_metrics: bool = True,
                  traffic_max_series: int = MAX_SERIES, traffic_source_pods: bool = False) -> None:
@@ -85,6 +87,9 @@ class EnvoySink:
         # the SVIDs of this node's identities (mTLS mesh hop); None: plaintext mesh
         self.identity = identity
         self.hang_timeout = hang_timeout
+        # a silent Envoy whose main thread keeps working gets this long before it counts hung
+        self.hang_busy_timeout = max(hang_busy_timeout, hang_timeout)
+        self.busy_silences = 0  # silences that were a busy main thread, not a hang
         self._envoy_traffic: tuple[float, dict[str, Any]] | None = None
         self._envoy_traffic_lock = threading.Lock()
         self.hang_kills = 0
@@ -188,32 +193,54 @@ class EnvoySink:
     def _watchdog(self) -> None:
         """A hung Envoy (SIGSTOP, deadlock) keeps its sockets open: the kernel still accepts
         into the backlog, so nothing crashes and nothing restarts it. Kill it when its admin
-        stops answering for hang_timeout; the supervisor then restarts it with backoff."""
+        stops answering for hang_timeout and its main thread makes no progress (a main thread
+        busy applying a big push is not hung: ``agent.envoy.watchdog``); the supervisor then
+        restarts it with backoff."""
         from agent.envoy.supervisor import admin_request
 
         last_pid: int | None = None
         last_answer = time.monotonic()
+        last_cpu: float | None = None
+        last_check = time.monotonic()
+        said_busy = False
         while not self._stopping.wait(1.0):
             pid = self.pid
             if pid != last_pid:
-                last_pid, last_answer = pid, time.monotonic()
+                last_pid, last_answer, last_cpu = pid, time.monotonic(), None
             if pid is None:
                 continue
             self.check_envoy_netns("periodic check")
+            answered = False
             try:
                 admin_request(self.admin, "GET", "/ready", timeout=1.0)
-                last_answer = time.monotonic()
+                answered, last_answer = True, time.monotonic()
+                if said_busy:
+                    log.info("envoy pid=%d answers its admin again", pid)
+                said_busy = False
             except Exception:  # noqa: BLE001 - no answer, a reset or a garbled one: silence
-                silent = time.monotonic() - last_answer
-                if silent >= self.hang_timeout:
-                    log.error("envoy pid=%d has not answered its admin for %.0fs (hung); killing "
-                              "it so the supervisor restarts it", pid, silent)
-                    self.hang_kills += 1
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    last_answer = time.monotonic()
+                pass
+            now = time.monotonic()
+            cpu = main_thread_cpu(pid)
+            delta = None if cpu is None or last_cpu is None else cpu - last_cpu
+            window, last_cpu, last_check = now - last_check, cpu, now
+            silent = 0.0 if answered else now - last_answer
+            state = watchdog.verdict(silent, delta, window, self.hang_timeout,
+                                     self.hang_busy_timeout)
+            if state == "busy" and not said_busy:
+                said_busy = True
+                self.busy_silences += 1
+                log.warning("envoy pid=%d has not answered its admin for %.0fs, its main thread "
+                            "busy (%.0f%% of a CPU): not hung, waiting up to %.0fs", pid, silent,
+                            100 * (delta or 0) / max(window, 1e-6), self.hang_busy_timeout)
+            elif state == "hung":
+                log.error("envoy pid=%d has not answered its admin for %.0fs (hung); killing "
+                          "it so the supervisor restarts it", pid, silent)
+                self.hang_kills += 1
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                last_answer, said_busy = time.monotonic(), False
 
     def check_envoy_netns(self, why: str) -> bool:
         """Envoy enters a pod's netns to bind its listener; on a failed bind it can stay there
@@ -574,6 +601,7 @@ class EnvoySink:
             "nack_count": x.get("nack_count"),
             "last_nack": x.get("last_nack"),
             "hang_kills": self.hang_kills,
+            "busy_silences": self.busy_silences,
             "netns_restarts": self.netns_restarts,
             "pending_removals": self.pending_removals(),
             # a pod without its SVID fails closed: the node says so
