@@ -101,6 +101,8 @@ def run(
             "capture integrity DEGRADED: %s. Pod rules RETURN the passthrough mark alone, which a "
             "pod process with CAP_NET_RAW can set to leave the mesh (docs/architecture.md)",
             proxy.problem)
+    from agent.heap import tune_gc
+    tune_gc()  # listing a cluster: see agent.heap
     node = NodeConfig(
         node_name=node_name, run_dir=run_dir, capture_port=capture_port, mesh_port=mesh_port,
         passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),

@@ -201,6 +201,46 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
             "spec": s, "status": st}
 
 
+def slim_endpoint_slice(obj: dict[str, Any]) -> dict[str, Any]:
+    """An EndpointSlice as the mesh reads it (``MeshModel._apply_slice``, ``is_projected``):
+    name, namespace and labels; address type; ports; per endpoint its addresses, conditions,
+    node, zone, hints and Pod reference. managedFields, annotations, owner references and the
+    resourceVersion go on receipt (the projector keeps its own copies of the slices it
+    writes), and repeated strings and conditions are shared, so a 10k-Service cluster's
+    slices cost what their endpoints are, not what their JSON was."""
+    meta = _map(obj.get("metadata"))
+    m: dict[str, Any] = {k: _intern(meta[k]) for k in ("name", "namespace") if k in meta}
+    if meta.get("labels"):
+        m["labels"] = shared(_slim_map(meta["labels"]))
+    if meta.get("deletionTimestamp"):
+        m["deletionTimestamp"] = meta["deletionTimestamp"]
+    out: dict[str, Any] = {"apiVersion": obj.get("apiVersion", "discovery.k8s.io/v1"),
+                           "kind": "EndpointSlice", "metadata": m}
+    if "addressType" in obj:
+        out["addressType"] = _intern(obj["addressType"])
+    ports = [shared({k: _intern(p[k]) for k in ("name", "port", "protocol", "appProtocol")
+                     if k in p}) for p in _list(obj.get("ports")) if isinstance(p, dict)]
+    out["ports"] = shared(ports) if ports else []
+    endpoints = []
+    for ep in _list(obj.get("endpoints")):
+        if not isinstance(ep, dict):
+            continue
+        e: dict[str, Any] = {"addresses": [_intern(a) for a in _list(ep.get("addresses"))]}
+        for k in ("conditions", "hints"):
+            if isinstance(ep.get(k), dict):
+                e[k] = shared(ep[k])
+        for k in ("nodeName", "zone"):
+            if k in ep:
+                e[k] = _intern(ep[k])
+        ref = _map(ep.get("targetRef"))
+        if ref:
+            e["targetRef"] = {k: _intern(ref[k]) for k in ("kind", "namespace", "name")
+                              if k in ref}
+        endpoints.append(e)
+    out["endpoints"] = endpoints
+    return out
+
+
 def slim_node(obj: dict[str, Any]) -> dict[str, Any]:
     """A Node as the mesh reads it: its name and its zone label (trafficDistribution).
     Everything else (status, images, heartbeats) is dropped on receipt, so a node's churn

@@ -44,7 +44,7 @@ from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
 from agent.source.manifests import ManifestLoader, shared_loader
-from agent.source.model import slim_node, slim_pod
+from agent.source.model import slim_endpoint_slice, slim_node, slim_pod
 from agent.source.pace import background_slice
 
 log = logging.getLogger("aether.source.watch")
@@ -260,6 +260,8 @@ class KubeWatcher:
             return slim_pod(obj)  # sets kind and apiVersion too
         if spec.kind == "Node":
             return slim_node(obj)
+        if spec.kind == "EndpointSlice":
+            return slim_endpoint_slice(obj)
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
         obj.setdefault("apiVersion", spec.api_version)
         return obj

@@ -304,6 +304,9 @@ class FakeApiServer:
         self._fail: list[int] = []
         # LIST continue tokens -> (resourceVersion of the snapshot, objects still to serve)
         self._continues: dict[str, tuple[int, list[JSON]]] = {}
+        # list items encoded once per stored version (the real API server's watch cache
+        # encodes an object once, not once per client): key -> (the stored dict, its JSON)
+        self._encoded: dict[tuple[str, str, str, str], tuple[JSON, bytes]] = {}
         self._pages = 0
         self._expire_next = 0
         self.lists = 0  # LIST requests served (each page counts)
@@ -450,7 +453,7 @@ class FakeApiServer:
         if token:
             query["continue"] = token
         with self._lock:
-            return self._list(res, None, query)
+            return self._list(res, None, query).as_json()
 
     def expire_continues(self, count: int = 1) -> None:
         """The next ``count`` LIST requests with a continue token get 410 Expired (as after
@@ -551,6 +554,7 @@ class FakeApiServer:
 
     def _remove(self, res: Resource, ns: str, name: str) -> JSON:
         obj = self._store.pop((res.api_version, res.plural, ns, name))
+        self._encoded.pop((res.api_version, res.plural, ns, name), None)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._emit("DELETED", res, ns, obj)
         return copy.deepcopy(obj)
@@ -719,7 +723,7 @@ class FakeApiServer:
         query: dict[str, str],
         body: Any,
         ctype: str,
-    ) -> tuple[int, JSON]:
+    ) -> tuple[int, JSON | ListPage]:
         with self._lock:
             if name is None:
                 if method == "GET":
@@ -784,7 +788,7 @@ class FakeApiServer:
             )
         return 201, self._insert(res, ns, obj)
 
-    def _list(self, res: Resource, ns: str | None, query: dict[str, str]) -> JSON:
+    def _list(self, res: Resource, ns: str | None, query: dict[str, str]) -> ListPage:
         """A LIST, paged as the real server pages it when ``limit`` is given: each page ends
         with ``metadata.continue`` (and ``remainingItemCount``) while items remain; a
         continue token serves the next page of the same snapshot (same resourceVersion), and
@@ -815,12 +819,6 @@ class FakeApiServer:
                 if _matches(self._store[key], labels, fields):
                     objs.append(self._store[key])
         page, rest = (objs[:limit], objs[limit:]) if limit > 0 else (objs, [])
-        items = []
-        for obj in page:
-            item = copy.deepcopy(obj)
-            item.pop("kind", None)  # the real apiserver omits these on list items
-            item.pop("apiVersion", None)
-            items.append(item)
         meta: JSON = {"resourceVersion": str(rv)}
         if rest:
             self._pages += 1
@@ -829,8 +827,21 @@ class FakeApiServer:
             meta["continue"] = nxt
             meta["remainingItemCount"] = len(rest)
         self.lists += 1
-        return {"kind": res.list_kind, "apiVersion": res.api_version, "metadata": meta,
-                "items": items}
+        return ListPage({"kind": res.list_kind, "apiVersion": res.api_version, "metadata": meta},
+                        [self._item_json(res, obj) for obj in page])
+
+    def _item_json(self, res: Resource, obj: JSON) -> bytes:
+        """A list item's JSON (no kind/apiVersion, as the real server omits them), encoded
+        once per stored version: writes replace the stored dict, which the cache notices."""
+        m = obj.get("metadata") or {}
+        key = (res.api_version, res.plural, str(m.get("namespace") or ""), str(m.get("name")))
+        hit = self._encoded.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        item = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+        data = json.dumps(item).encode()
+        self._encoded[key] = (obj, data)
+        return data
 
     def _watch(
         self, h: BaseHTTPRequestHandler, res: Resource, ns: str | None, query: dict[str, str]
@@ -943,8 +954,23 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
-def _send_json(h: BaseHTTPRequestHandler, code: int, obj: JSON) -> None:
-    data = json.dumps(obj).encode()
+class ListPage:
+    """A LIST answer whose items are already encoded (``FakeApiServer._item_json``)."""
+
+    def __init__(self, head: JSON, items: list[bytes]) -> None:
+        self.head, self.items = head, items
+
+    def encode(self) -> bytes:
+        head = json.dumps(self.head).encode()
+        return head[:-1] + b', "items": [' + b",".join(self.items) + b"]}"
+
+    def as_json(self) -> JSON:
+        out: JSON = json.loads(self.encode())
+        return out
+
+
+def _send_json(h: BaseHTTPRequestHandler, code: int, obj: JSON | ListPage) -> None:
+    data = obj.encode() if isinstance(obj, ListPage) else json.dumps(obj).encode()
     h.send_response(code)
     h.send_header("Content-Type", "application/json")
     h.send_header("Content-Length", str(len(data)))
