@@ -75,6 +75,8 @@ class ObjectStore:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._objects: dict[ObjKey, dict[str, Any]] = {}
+        # the same objects by kind: readers ask for one kind of a store holding 100k Pods
+        self._kinds: dict[str, dict[ObjKey, dict[str, Any]]] = {}
         self._subscribers: list[Callback] = []
 
     # ---- reading ---------------------------------------------------------------------------
@@ -85,7 +87,7 @@ class ObjectStore:
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:
-            return [o for (k, _, _), o in sorted(self._objects.items()) if k == kind]
+            return [o for _, o in sorted((self._kinds.get(kind) or {}).items())]
 
     def snapshot(self) -> dict[ObjKey, dict[str, Any]]:
         with self._lock:
@@ -138,11 +140,13 @@ class ObjectStore:
                 if old is None:
                     return None
                 del self._objects[key]
+                del self._kinds[event.kind][key]
                 out = WatchEvent("DELETED", event.kind, event.obj)
             else:
                 if old is not None and _same(old, event.obj):
                     return None
                 self._objects[key] = event.obj
+                self._kinds.setdefault(event.kind, {})[key] = event.obj
                 out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
             self._publish(out)
             return out
@@ -151,7 +155,7 @@ class ObjectStore:
         """Make ``objects`` the complete set of ``kind`` (a LIST or relist); returns the diff."""
         new = {object_key(kind, o): o for o in objects}
         with self._lock:
-            old = {k: o for k, o in self._objects.items() if k[0] == kind}
+            old = dict(self._kinds.get(kind) or {})
             events = diff_snapshots(old, new)
             for ev in events:
                 self.apply(ev)
@@ -165,7 +169,7 @@ class ObjectStore:
             wanted = set(kinds) if kinds is not None else (
                 {k[0] for k in objects} | {k[0] for k in self._objects}
             )
-            old = {k: o for k, o in self._objects.items() if k[0] in wanted}
+            old = {k: o for kind in wanted for k, o in (self._kinds.get(kind) or {}).items()}
             new = {k: o for k, o in objects.items() if k[0] in wanted}
             events = diff_snapshots(old, new)
             for ev in events:
