@@ -42,10 +42,12 @@ def rows_cni_add(d: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
     for lv in d["levels"]:
         c = lv["concurrency"]
-        out.append(("cni_add", f"ADD p50, concurrency {c}", _ms(lv["add"]["p50_ms"]),
+        mode = "Envoy on, ACK waited" if d.get("envoy", False) else "no Envoy"
+        target = lv.get("target", "p50 <= 2x floor").replace("<=", "≤").replace("x floor", "×")
+        out.append(("cni_add", f"ADD p50, concurrency {c} ({mode})", _ms(lv["add"]["p50_ms"]),
                     f"nft -f floor {_ms(lv['floor']['p50_ms'])}", f"{lv['ratio_p50']:.2f}×",
-                    ("PASS" if lv["target_met"] else "MISS") + " (≤ 2×)"))
-        out.append(("cni_add", f"ADD p99, concurrency {c}", _ms(lv["add"]["p99_ms"]),
+                    ("PASS" if lv["target_met"] else "MISS") + f" ({target})"))
+        out.append(("cni_add", f"ADD p99, concurrency {c} ({mode})", _ms(lv["add"]["p99_ms"]),
                     f"nft -f floor {_ms(lv['floor']['p99_ms'])}", f"{lv['ratio_p99']:.2f}×", "-"))
     return out
 

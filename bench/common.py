@@ -73,9 +73,10 @@ def delete_pods(kubelet: Kubelet, pods: list[Pod]) -> None:
         list(pool.map(one, pods))
 
 
-def make_agent(workdir: str, namespace: str) -> AgentProc:
-    """An agent (no Envoy, info logging) whose manifests mark `namespace` managed; not started."""
-    agent = AgentProc(workdir, envoy=False, extra=["--log-level", "info"])
+def make_agent(workdir: str, namespace: str, envoy: bool = False) -> AgentProc:
+    """An agent (info logging; Envoy only if asked) whose manifests mark `namespace` managed;
+    not started."""
+    agent = AgentProc(workdir, envoy=envoy, extra=["--log-level", "info"])
     agent.write("bench-namespace.yaml", [
         {"apiVersion": "v1", "kind": "Namespace",
          "metadata": {"name": namespace, "labels": {"aether.io/managed": "true"}}},
