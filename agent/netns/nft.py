@@ -29,14 +29,19 @@ FD_SETSIZE = 1024
 FD_HEADROOM = 64
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def lowest_free_fd() -> int:
+    """The fd number the next socket would get (the lowest free one): what libnftables'
+    netlink socket will be, which select() needs below FD_SETSIZE. Two syscalls, where
+    counting /proc/self/fd walked every open fd on each of an ADD's libnftables calls."""
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+    return fd
 
 
 def _ctx() -> nftables.Nftables:
-    n = open_fds()
+    n = lowest_free_fd()
     if n >= FD_SETSIZE - FD_HEADROOM:
-        raise NftError(f"{n} fds open in the agent: libnftables needs a free fd below "
+        raise NftError(f"the lowest free fd in the agent is {n}: libnftables needs one below "
                        f"{FD_SETSIZE} (select()); refusing rather than aborting")
     nft = nftables.Nftables()
     nft.set_json_output(False)
