@@ -118,8 +118,9 @@ class StateStore:
         self.load_problem: str | None = None
         self.swept: list[str] = []  # temp files of interrupted writes removed by load()
         self.seen: dict[str, SeenPod] = {}  # uncaptured pods with a netns (live enrollment)
-        # (container id, netns path) -> that netns' identity, as netns_owner last read it
-        self._idents: dict[tuple[str, str], tuple[int, int]] = {}
+        # container id -> (its record's netns path, that netns' identity), as netns_owner
+        # last read it
+        self._idents: dict[str, tuple[str, tuple[int, int]]] = {}
 
     def _path(self, container_id: str) -> str:
         return os.path.join(self.directory, f"{container_id}.json")
@@ -250,14 +251,13 @@ class StateStore:
         self._write(pod)
         with self._lock:
             self.pods[pod.container_id] = pod
-            for key in [k for k in self._idents if k[0] == pod.container_id]:
-                del self._idents[key]  # a new record may pin a new namespace on the same path
+            # a new record may pin a new namespace on the same path
+            self._idents.pop(pod.container_id, None)
 
     def remove(self, container_id: str) -> CapturedPod | None:
         with self._lock:
             pod = self.pods.pop(container_id, None)
-            for key in [k for k in self._idents if k[0] == container_id]:
-                del self._idents[key]
+            self._idents.pop(container_id, None)
         try:
             os.unlink(self._path(container_id))
         except FileNotFoundError:
@@ -324,24 +324,25 @@ class StateStore:
         """
         # Every ADD asks this, so it must not stat every record's netns: with 16 ADDs at
         # once, N short syscalls each handing the GIL back and waiting to get it again made
-        # it the ADD path's bottleneck. Identities are remembered per (record, path); only a
-        # match is stat'ed again (a namespace that is gone can leave its inode to a new one).
+        # it the ADD path's bottleneck. Identities are remembered per record (and its path);
+        # only a match is stat'ed again (a namespace that is gone can leave its inode to a
+        # new one). pod.netns, not kubelet_netns: a /proc/<pid> path may name a reused pid.
         for pod in self.all():
-            if pod.container_id == exclude or not pod.netns:
+            cid = pod.container_id
+            if cid == exclude or not pod.netns:
                 continue
-            key = (pod.container_id, pod.netns)  # pod.netns, not kubelet_netns: a /proc/<pid>
-            known = self._idents.get(key)        # path may name a reused pid
-            if known is None:
+            known = self._idents.get(cid)
+            if known is None or known[0] != pod.netns:
                 try:
-                    known = self._idents[key] = identity(pod.netns)
+                    known = self._idents[cid] = (pod.netns, identity(pod.netns))
                 except OSError:
                     continue
-            if known != target:
+            if known[1] != target:
                 continue
             try:
                 if identity(pod.netns) == target:
                     return pod
             except OSError:
                 pass
-            self._idents.pop(key, None)  # no longer that namespace: read it afresh next time
+            self._idents.pop(cid, None)  # no longer that namespace: read it afresh next time
         return None

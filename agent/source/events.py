@@ -167,7 +167,7 @@ class ObjectStore:
         """Replace every kind in ``kinds`` (default: the kinds present either side) at once."""
         with self._lock:
             wanted = set(kinds) if kinds is not None else (
-                {k[0] for k in objects} | {k[0] for k in self._objects}
+                {k[0] for k in objects} | {k for k, objs in self._kinds.items() if objs}
             )
             old = {k: o for kind in wanted for k, o in (self._kinds.get(kind) or {}).items()}
             new = {k: o for k, o in objects.items() if k[0] in wanted}
