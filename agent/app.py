@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the subsystems' types; their modules load only when started
     from agent.enroll import EnrollmentLoop
     from agent.gamma.lease import LeaseElector
     from agent.gamma.status import StatusLoop
+    from agent.meshpods.publisher import MeshPodPublisher
     from agent.metrics import Metrics, MetricsServer
     from agent.node.readiness import ReadinessLoop
     from agent.node.repair import RepairLoop
@@ -56,6 +57,9 @@ class AgentOptions:
     mesh_domain: str = "aether.internal"
     trust_domain: str = "cluster.local"
     scope_all: bool = False
+    # where other nodes' pods come from: "meshpods" (their agents' MeshPod records; this
+    # node's Pods only from the Pod API) or "pods" (every Pod of the cluster)
+    remote_pods: str = "meshpods"
     learn_ttl: float = 600.0
     repair: str = "report"
     cni_conf_dir: str = "/etc/cni/net.d"
@@ -88,6 +92,7 @@ class Agent:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.slices: SliceProjector | None = None
+        self.meshpods: MeshPodPublisher | None = None
         self.gamma_lease: LeaseElector | None = None
         self.gamma_status: StatusLoop | None = None
         self.enrollment: EnrollmentLoop | None = None  # with a mesh source
@@ -213,8 +218,19 @@ class Agent:
             self.handler.source = self.source
         elif o.kube:
             from agent.source.cached import CachedSource
-            from agent.source.watch import MESH_KINDS, KubeWatcher
-            watcher = KubeWatcher(o.kubeconfig, MESH_KINDS, self.node.node_name, self.mesh.objects)
+            from agent.source.watch import (
+                MESH_KINDS,
+                MESH_KINDS_RECORDS,
+                KubeWatcher,
+                node_pods_selector,
+            )
+            if o.remote_pods == "pods":
+                watcher = KubeWatcher(o.kubeconfig, MESH_KINDS, self.node.node_name,
+                                      self.mesh.objects)
+            else:
+                watcher = KubeWatcher(o.kubeconfig, MESH_KINDS_RECORDS, self.node.node_name,
+                                      self.mesh.objects,
+                                      field_selectors=node_pods_selector(self.node.node_name))
             # ADD answers from the watch cache, so API trouble does not stall pod starts
             self.source = CachedSource(self.source, self.mesh.objects)
             self.handler.source = self.source
@@ -230,12 +246,18 @@ class Agent:
         self.mesh.start(watcher, sink)  # type: ignore[arg-type]
         if o.kube:
             from agent.kube import api_client
+            from agent.meshpods.publisher import MeshPodPublisher, MeshPodWriter
             from agent.slices.writer import SliceProjector, SliceWriter
+            synced = watcher.wait_synced if watcher is not None else None
             self.slices = SliceProjector.for_mesh(
                 self.mesh.objects, self.mesh.model,
                 SliceWriter(api_client(o.kubeconfig), self.node.node_name))
-            self.mesh.projector = self.slices
-            self.slices.start(synced=watcher.wait_synced if watcher is not None else None)
+            self.meshpods = MeshPodPublisher.for_mesh(
+                self.mesh.objects, self.mesh.model,
+                MeshPodWriter(api_client(o.kubeconfig), self.node.node_name))
+            self.mesh.followers += [self.slices, self.meshpods]
+            self.slices.start(synced=synced)
+            self.meshpods.start(synced=synced)
             self._start_route_status(watcher)
 
     def readiness_checks(self) -> dict[str, bool]:
@@ -385,6 +407,8 @@ class Agent:
                 self.readiness.stop(for_good=for_good)
             if self.slices is not None:
                 self.slices.stop(node_leaving=for_good)
+        if self.meshpods is not None:
+            self.meshpods.stop(node_leaving=for_good)
         if self.gamma_status is not None:
             self.gamma_status.stop()
         if self.gamma_lease is not None:
@@ -600,6 +624,8 @@ class Agent:
             out["readiness"] = self.readiness.status()
         if self.slices is not None:
             out["endpoint_slices"] = self.slices.status()
+        if self.meshpods is not None:
+            out["meshpods"] = {**self.meshpods.status(), "remote_pods": self.options.remote_pods}
         if self.gamma_status is not None:
             out["route_status"] = self.gamma_status.status()
         extra = getattr(self.sink, "status", None)

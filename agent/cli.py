@@ -72,6 +72,7 @@ def run(
     svid_ttl: Annotated[float, typer.Option(help="Lifetime in seconds of the SVIDs signed with --identity-ca-dir (renewed at half life).")] = 3600.0,
     scope: Annotated[str, typer.Option(help="'deps' (the node dependency set) or 'all' Services.")] = "deps",
     learn_ttl: Annotated[float, typer.Option(help="Seconds a Service learned from traffic stays in scope.")] = 600.0,
+    remote_pods: Annotated[str, typer.Option(help="Other nodes' pods: 'meshpods' (the MeshPod records their agents publish; this node watches only its own Pods) or 'pods' (list every Pod of the cluster, as before MeshPods; the CRD is then not needed to read).")] = "meshpods",
     repair: Annotated[str, typer.Option(help="Uncaptured managed pods: report (Event) or delete (evict).")] = "report",
     controller_name: Annotated[str, typer.Option(help="GAMMA controllerName written in route status.")] = "aether.io/mesh",
     xmesh_create: Annotated[bool, typer.Option("--xmesh-create/--no-xmesh-create", help="Keep an XMesh 'aether' (GEP-3949) when its CRD is installed.")] = True,
@@ -170,13 +171,15 @@ def run(
         raise typer.BadParameter("--envoy-on-exit must be auto, stop or keep")
     if repair not in ("report", "delete"):
         raise typer.BadParameter("--repair must be 'report' or 'delete'")
+    if remote_pods not in ("meshpods", "pods"):
+        raise typer.BadParameter("--remote-pods must be 'meshpods' or 'pods'")
     options = AgentOptions(
         manifests=manifests, kubeconfig=kubeconfig, kube=not manifests, mesh_domain=mesh_domain,
         trust_domain=trust_domain, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
         gamma_controller_name=controller_name, xmesh_create=xmesh_create,
-        envoy_on_exit=envoy_on_exit, live_enrollment=live_enrollment,
+        envoy_on_exit=envoy_on_exit, live_enrollment=live_enrollment, remote_pods=remote_pods,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()

@@ -67,7 +67,9 @@ class MeshRuntime:
         self.last_push_s = 0.0
         self.learned_total = 0
         self._unsubscribe: Callable[[], None] | None = None
-        self.projector: Any = None  # SliceProjector when EndpointSlice projection is on
+        # loops that write the model out (EndpointSlice projection, MeshPod records): each
+        # is marked dirty on every change and debounces on its own
+        self.followers: list[Any] = []
         # CNI registrations that found the model busy, applied in order by their own thread
         self._reg_queue: deque[Callable[[], set[str]]] = deque()
         self._reg_guard = threading.Lock()
@@ -107,8 +109,8 @@ class MeshRuntime:
     # -- inputs ----------------------------------------------------------------------------
     def _changed(self) -> None:
         self._dirty.set()
-        if self.projector is not None:
-            self.projector.mark_dirty()
+        for follower in self.followers:
+            follower.mark_dirty()
 
     def _on_event(self, event: WatchEvent) -> None:
         if event.kind == "EndpointSlice" and is_projected(event.obj):

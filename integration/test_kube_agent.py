@@ -281,3 +281,63 @@ def test_route_status_written_by_the_agent(api: FakeApiServer, workdir: str) -> 
         assert agent.status()["route_status"]
     finally:
         agent.stop()
+
+
+def _served(agent: KubeAgent, key: str) -> bool:
+    reasons = (agent.status().get("mesh") or {}).get("dependency_set", {}).get(key, [])
+    return bool(reasons) and not any(r.startswith("not served") for r in reasons)
+
+
+def test_pods_of_other_nodes_come_from_their_records_and_ours_are_published(
+        api: FakeApiServer, workdir: str, bridge_name: str) -> None:
+    """The agent watches only this node's Pods; another node's pod is an endpoint through
+    the MeshPod record its agent published (its full Pod is in the API but never listed),
+    and a pod captured here is published for the other nodes, until it is deleted."""
+    from agent.meshpods import record
+    from agent.source.model import slim_pod
+
+    remote = {"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": "echo-far", "namespace": "app", "uid": "u-far",
+                           "labels": {"app": "echo"}},
+              "spec": {"nodeName": "other-node", "serviceAccountName": "echo",
+                       "containers": [{"name": "c", "image": "x"}]},
+              "status": {"podIP": "10.250.3.3", "podIPs": [{"ip": "10.250.3.3"}],
+                         "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    api.put_object({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": "echo", "namespace": "app"},
+                    "spec": {"clusterIP": "10.96.50.1", "selector": {"app": "echo"},
+                             "ports": [{"port": 80, "targetPort": 8080}]}})
+    api.put_object(remote)
+    kc = api.kubeconfig(os.path.join(workdir, "kubeconfig"))
+    agent = KubeAgent(workdir, kc, extra=["--scope", "all"])
+    agent.start()
+    k = Kubelet(workdir, bridge_name, SUBNET4, SUBNET6,
+                {"agent_socket": agent.socket, "capture_redirect_all_default": True})
+    try:
+        time.sleep(1.0)
+        assert not _served(agent, "app/echo")  # the Pod alone is not read: no endpoint
+        api.put_object(record.record_of(slim_pod(remote), "other-node"))
+        wait_for(lambda: _served(agent, "app/echo"))
+        pod = new_pod(api, k)
+        k.add(pod)
+
+        def published() -> dict[str, Any] | None:
+            return api.get_object(record.KIND, pod.name, "app", api_version=record.API_VERSION)
+
+        wait_for(lambda: published() is not None)
+        rec = published()
+        assert rec is not None
+        assert rec["metadata"]["labels"] == {"aether.io/node": "test-node"}
+        assert rec["metadata"]["ownerReferences"][0]["uid"] == pod.uid
+        assert rec["spec"]["pod"]["spec"]["serviceAccountName"] == "sa1"
+        st = agent.status()
+        assert st["mesh"]["objects_by_kind"].get("Pod") == 1  # this node's only
+        assert st["meshpods"]["owned"] == [f"app/{pod.name}"]
+        assert st["meshpods"]["remote_pods"] == "meshpods"
+        api.delete_object(record.KIND, "echo-far", "app", api_version=record.API_VERSION)
+        wait_for(lambda: not _served(agent, "app/echo"))
+        k.delete(pod)
+        api.delete_object("Pod", pod.name, "app")
+        wait_for(lambda: published() is None)
+    finally:
+        agent.stop()

@@ -20,7 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 NAMESPACE = "aether-system"
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
 
 Doc = dict[str, Any]
 
@@ -84,6 +84,7 @@ def test_hand_render_matches_kubectl_when_present():
         ("ClusterRoleBinding", "aether-agent"), ("ClusterRoleBinding", "aether-agent-repair"),
         ("Role", "aether-agent"), ("RoleBinding", "aether-agent"),
         ("ConfigMap", "aether-agent-config"), ("DaemonSet", "aether-agent"),
+        ("CustomResourceDefinition", "meshpods.aether.io"),
     }
     rendered = render_with_kubectl()
     if rendered is not None:
@@ -273,7 +274,16 @@ CALLS: dict[str, tuple[str, set[Grant]]] = {
     "replace_namespaced_lease": ("agent/gamma/lease.py", {("coordination.k8s.io", "leases", "update")}),
     "list_custom_object_for_all_namespaces": ("agent/gamma/status.py", {
         ("gateway.networking.k8s.io", "httproutes", "list"),
-        ("gateway.networking.k8s.io", "grpcroutes", "list")}),
+        ("gateway.networking.k8s.io", "grpcroutes", "list"),
+        ("aether.io", "meshpods", "list")}),  # + agent/meshpods/publisher.py (adoption)
+    # + get_namespaced_custom_object (re-read on 409)
+    "create_namespaced_custom_object": ("agent/meshpods/publisher.py",
+                                        {("aether.io", "meshpods", "create"),
+                                         ("aether.io", "meshpods", "get")}),
+    "replace_namespaced_custom_object": ("agent/meshpods/publisher.py",
+                                         {("aether.io", "meshpods", "update")}),
+    "delete_namespaced_custom_object": ("agent/meshpods/publisher.py",
+                                        {("aether.io", "meshpods", "delete")}),
     # + get_namespaced_custom_object (re-read on 409; get_* is not a scanned prefix)
     "replace_namespaced_custom_object_status": ("agent/gamma/status.py", {
         ("gateway.networking.k8s.io", "httproutes/status", "update"),
@@ -379,6 +389,7 @@ def test_rbac_scoping_and_bindings(objs):
     # the main role writes only our own kinds of object: Events, Node taints, EndpointSlices
     assert {(g, r) for g, r, v in cluster if v not in ("get", "list", "watch")} == {
         ("", "events"), ("", "nodes"), ("discovery.k8s.io", "endpointslices"),
+        ("aether.io", "meshpods"),
         ("gateway.networking.k8s.io", "httproutes/status"),
         ("gateway.networking.k8s.io", "grpcroutes/status"),
         ("gateway.networking.x-k8s.io", "xmeshes"), ("gateway.networking.x-k8s.io", "xmeshes/status")}
@@ -394,3 +405,17 @@ def test_rbac_scoping_and_bindings(objs):
     assert bound == {("ClusterRole", "aether-agent"): "ClusterRoleBinding",
                      ("ClusterRole", "aether-agent-repair"): "ClusterRoleBinding",
                      ("Role", "aether-agent"): "RoleBinding"}
+
+
+def test_meshpod_crd_serves_what_the_agent_reads_and_writes(objs):
+    from agent.meshpods import record
+    from agent.source.watch import KIND_SPECS
+
+    crd = objs[("CustomResourceDefinition", f"{record.PLURAL}.{record.GROUP}")]["spec"]
+    assert (crd["group"], crd["names"]["kind"], crd["names"]["plural"], crd["scope"]) == (
+        record.GROUP, record.KIND, record.PLURAL, "Namespaced")
+    assert [v["name"] for v in crd["versions"] if v["served"]] == [record.VERSION]
+    assert KIND_SPECS[record.KIND].path == f"/apis/{record.API_VERSION}/{record.PLURAL}"
+    schema = crd["versions"][0]["schema"]["openAPIV3Schema"]
+    pod = schema["properties"]["spec"]["properties"]["pod"]
+    assert pod["x-kubernetes-preserve-unknown-fields"] is True  # the slim Pod, kept whole

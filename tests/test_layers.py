@@ -23,7 +23,7 @@ PURE = (
     "agent.gamma.conditions", "agent.gamma.ownership", "agent.install.conflist",
     "agent.scope", "agent.scope.deps", "agent.scope.route_tables", "agent.scope.model",
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
-    "agent.slices.project", "agent.source.model",
+    "agent.meshpods.record", "agent.slices.project", "agent.source.model",
 )
 IO = frozenset({"kubernetes", "grpc", "nftables", "psutil", "pyroute2", "urllib3", "subprocess",
                 "socket", "ctypes", "fcntl", "select", "signal", "multiprocessing", "shutil",

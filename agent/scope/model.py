@@ -34,6 +34,9 @@ from agent.scope.services import (
 from agent.source.base import WatchEvent
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+#: ``agent.meshpods.record.KIND``: another node's pod as its agent published it (the source
+#: stores it as the slim Pod it holds, under this kind).
+REMOTE_POD_KIND = "MeshPod"
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class MeshModel:
         # thread pausing between chunks, so pod registrations and CNI threads are not held
         # behind seconds of re-evaluation. None: one piece (tests, the first sync).
         self.breathe: Callable[[float], None] | None = None
+        # Pods known from MeshPod records (another node's); a Pod from this node's own
+        # watch or CNI ADD always wins over a record of the same name (a StatefulSet pod
+        # rescheduled here while its old node's record lingers).
+        self._remote_pods: set[str] = set()
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -297,11 +304,14 @@ class MeshModel:
             svcs, pods = self.registry.set_namespace(None if deleted else obj, name)
             return svcs | self._after_pods(pods)
         if kind == "Pod":
+            self._remote_pods.discard(f"{ns}/{name}")
             if deleted:
                 svcs, pods = self.registry.remove_pod(ns, name)
             else:
                 svcs, pods = self.registry.upsert_pod(obj)
             return svcs | self._after_pods(pods)
+        if kind == REMOTE_POD_KIND:
+            return self._apply_remote_pod(ns, name, None if deleted else obj)
         if kind == "Service":
             return self._apply_service(ns, name, None if deleted else service_from_object(obj))
         if kind == "EndpointSlice":
@@ -325,6 +335,24 @@ class MeshModel:
                 self._scope_dirty = True  # backendRefs (the closure) may have changed
             return targets
         return set()
+
+    def _apply_remote_pod(self, ns: str, name: str, obj: dict[str, Any] | None) -> set[str]:
+        """A MeshPod record: the registry takes it as a Pod unless this node knows the pod
+        itself (its own Pod watch or a CNI ADD) or the record says it is ours."""
+        key = f"{ns}/{name}"
+        node = str(((obj or {}).get("spec") or {}).get("nodeName") or "")
+        remote = key in self._remote_pods
+        ours = self.registry.is_local(key) or (
+            not remote and self.registry.api_object(key) is not None)
+        if ours or obj is None or "spec" not in obj or node == self.node_name:
+            if not remote:
+                return set()  # nothing of the record's in the registry (or ours wins)
+            self._remote_pods.discard(key)  # gone, or a CNI ADD here took the pod over
+            svcs, pods = self.registry.remove_pod(ns, name)
+        else:
+            self._remote_pods.add(key)
+            svcs, pods = self.registry.upsert_pod(obj)
+        return svcs | self._after_pods(pods)
 
     def _traffic(self, svc: Service) -> TrafficPolicy:
         """The Service's own traffic fields, with the retry budget of the oldest

@@ -171,6 +171,14 @@ class Registry:
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
+    def api_object(self, pod_key: str) -> dict[str, Any] | None:
+        """The pod's object as the source reported it (None: only a CNI ADD, or unknown)."""
+        return self._api.get(pod_key)
+
+    def is_local(self, pod_key: str) -> bool:
+        """A CNI ADD on this node registered the pod."""
+        return pod_key in self._cni
+
     def upsert_pod(self, obj: dict[str, Any]) -> tuple[set[str], set[str]]:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
         meta = pod_from_object(obj)

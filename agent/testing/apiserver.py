@@ -70,6 +70,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource(_GW, "v1beta1", "referencegrants", "ReferenceGrant"),
     Resource("coordination.k8s.io", "v1", "leases", "Lease"),
     Resource("apps", "v1", "daemonsets", "DaemonSet", status=True),
+    Resource("aether.io", "v1alpha1", "meshpods", "MeshPod"),
 )
 
 _REASONS = {
@@ -264,6 +265,21 @@ class _Watch:
             return False
         return _matches(obj, self.labels, self.fields)
 
+    def sees(self, ev: _Event) -> str | None:
+        """The event type this watch gets (None: nothing). As the real server does, a
+        change that makes an object start matching the selectors arrives as ADDED, one
+        that makes it stop matching as DELETED."""
+        if ev.resource != self.resource or not (self.namespace is None
+                                                or ev.namespace == self.namespace):
+            return None
+        now = _matches(ev.obj, self.labels, self.fields)
+        if ev.type != "MODIFIED" or ev.old is None:
+            return ev.type if now else None
+        before = _matches(ev.old, self.labels, self.fields)
+        if now:
+            return "MODIFIED" if before else "ADDED"
+        return "DELETED" if before else None
+
 
 @dataclass
 class _Event:
@@ -272,6 +288,7 @@ class _Event:
     resource: Resource
     namespace: str
     obj: JSON
+    old: JSON | None = None  # MODIFIED: what it was (selectors may match one, not the other)
 
 
 class FakeApiServer:
@@ -524,14 +541,17 @@ class FakeApiServer:
         self._rv += 1
         return str(self._rv)
 
-    def _emit(self, type_: str, res: Resource, ns: str, obj: JSON) -> None:
-        ev = _Event(int(obj["metadata"]["resourceVersion"]), type_, res, ns, copy.deepcopy(obj))
+    def _emit(self, type_: str, res: Resource, ns: str, obj: JSON, old: JSON | None = None
+              ) -> None:
+        ev = _Event(int(obj["metadata"]["resourceVersion"]), type_, res, ns, copy.deepcopy(obj),
+                    old)
         self._history.append(ev)
         while len(self._history) > self.history_limit:
             self._compacted_rv = self._history.popleft().rv
         for w in self._watches:
-            if w.resource == res and w.wants(ns, ev.obj):
-                w.queue.put({"type": type_, "object": ev.obj})
+            seen = w.sees(ev)
+            if seen is not None:
+                w.queue.put({"type": seen, "object": ev.obj})
 
     def _insert(self, res: Resource, ns: str, obj: JSON) -> JSON:
         m = obj["metadata"]
@@ -549,7 +569,7 @@ class FakeApiServer:
             return copy.deepcopy(old)
         new["metadata"]["resourceVersion"] = self._next_rv()
         self._store[(res.api_version, res.plural, ns, name)] = new
-        self._emit("MODIFIED", res, ns, new)
+        self._emit("MODIFIED", res, ns, new, old)
         return copy.deepcopy(new)
 
     def _remove(self, res: Resource, ns: str, name: str) -> JSON:
@@ -876,9 +896,9 @@ class FakeApiServer:
                     initial = []
                 else:
                     initial = [
-                        {"type": e.type, "object": copy.deepcopy(e.obj)}
+                        {"type": seen, "object": copy.deepcopy(e.obj)}
                         for e in self._history
-                        if e.rv > since and e.resource == res and w.wants(e.namespace, e.obj)
+                        if e.rv > since and (seen := w.sees(e)) is not None
                     ]
             if expired is None:
                 self._watches.add(w)
