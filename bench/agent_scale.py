@@ -101,8 +101,10 @@ def _cpu_s(pid: int) -> float:
 class Cluster:
     """The API server process and the agent process for one size."""
 
-    def __init__(self, root: str, pods: int, services: int, nodes: int, local: int) -> None:
-        self.dir = os.path.join(root, f"p{pods}")
+    def __init__(self, root: str, pods: int, services: int, nodes: int, local: int,
+                 remote_pods: str = "meshpods") -> None:
+        self.remote_pods = remote_pods
+        self.dir = os.path.join(root, f"p{pods}-{remote_pods}")
         os.makedirs(self.dir)
         self.pods, self.services, self.nodes, self.local = pods, services, nodes, local
         self.api: subprocess.Popen[str] | None = None
@@ -134,7 +136,7 @@ class Cluster:
                "--cni-bin-dir", os.path.join(self.dir, "bin"),
                "--metrics-port", str(free_port()), "--metrics-host", "127.0.0.1",
                "--log-format", "json", "--log-level", "info", "--envoy-on-exit", "stop",
-               "--no-xmesh-create"]
+               "--no-xmesh-create", "--remote-pods", self.remote_pods]
         log = open(os.path.join(self.dir, "agent.log"), "ab")  # noqa: SIM115 - child's
         started = time.monotonic()
         self.agent = subprocess.Popen(cmd, stdout=log, stderr=log)
@@ -145,15 +147,17 @@ class Cluster:
             st = _status(self.run_dir)
             if st is not None:
                 kinds = (st.get("mesh") or {}).get("objects_by_kind") or {}
+                # this node's Pods + the other nodes' records (or every Pod with --remote-pods pods)
+                held = kinds.get("Pod", 0) + kinds.get("MeshPod", 0)
                 # the last Service's cluster in Envoy: the one push holding them all applied
                 last = _envoy_hosts(self.run_dir, _service_cluster(self.services - 1))
-                now = (f"pods {kinds.get('Pod', 0)}/{self.pods}, services "
+                now = (f"pods {held}/{self.pods}, services "
                        f"{kinds.get('Service', 0)}/{self.services}, Envoy has the last "
                        f"Service's cluster: {'yes' if last is not None else 'no'}")
                 if now != last_line:
                     progress(f"  [{self.pods} pods] {time.monotonic() - started:5.1f} s: {now}")
                     last_line = now
-                if kinds.get("Pod", 0) >= self.pods and kinds.get("Service", 0) >= self.services \
+                if held >= self.pods and kinds.get("Service", 0) >= self.services \
                         and kinds.get("EndpointSlice", 0) >= self.services and last is not None:
                     took = time.monotonic() - started
                     clusters = _envoy_stat(self.run_dir, "cluster_manager.active_clusters") or 0
@@ -213,12 +217,13 @@ class Cluster:
                     p.wait()
 
 
-def run_size(root: str, pods: int, a: argparse.Namespace) -> dict[str, Any]:
-    c = Cluster(root, pods, a.services, a.nodes, a.local)
+def run_size(root: str, pods: int, mode: str, a: argparse.Namespace) -> dict[str, Any]:
+    c = Cluster(root, pods, a.services, a.nodes, a.local, mode)
     try:
-        progress(f"[{pods} pods] loading the API server …")
+        progress(f"[{pods} pods, --remote-pods {mode}] loading the API server …")
         load_s = c.start_api()
-        progress(f"[{pods} pods] API server ready in {load_s:.1f} s; starting the agent …")
+        progress(f"[{pods} pods] API server ready in {load_s:.1f} s; starting the agent "
+                 f"(--remote-pods {mode}) …")
         ready_s = c.start_agent()
         assert c.agent is not None and c.api is not None
         cpu_ready = {"agent_cpu_s": _cpu_s(c.agent.pid), "api_cpu_s": _cpu_s(c.api.pid)}
@@ -226,7 +231,8 @@ def run_size(root: str, pods: int, a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(5.0)  # settled: the first publish behind it
         mem = c.memory()
         change = c.endpoint_change()
-        return {"pods": pods, "services": a.services, "ready_s": ready_s, **cpu_ready,
+        return {"pods": pods, "remote_pods": mode, "services": a.services, "ready_s": ready_s,
+                **cpu_ready,
                 "at_ready": mem_ready, **mem, "endpoint_change": change}
     except Exception:
         progress(f"[{pods} pods] agent log tail:\n{c.log()}")
@@ -238,33 +244,35 @@ def run_size(root: str, pods: int, a: argparse.Namespace) -> dict[str, Any]:
 def report(results: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
     print(f"\nagent at cluster scale: {a.services} Services (one EndpointSlice each), realistic "
           f"Pods over {a.nodes} nodes ({a.local} on ours), --scope all, Envoy on")
-    head = (f"{'pods':>7} | {'ready s':>7} {'agent CPU':>9} {'API CPU':>7} | "
+    head = (f"{'pods':>7} {'--remote-pods':>13} | {'ready s':>7} {'agent CPU':>9} {'API CPU':>7} | "
             f"{'agent RSS MB':>12} {'USS MB':>7} | "
             f"{'Envoy RSS MB':>12} | {'1 Service endpoints → Envoy':>28}")
     print(head)
     print("-" * len(head))
     for r in results:
         ch = r["endpoint_change"]
-        print(f"{r['pods']:>7} | {r['ready_s']:>7.1f} {r['agent_cpu_s']:>8.1f}s "
+        print(f"{r['pods']:>7} {r['remote_pods']:>13} | {r['ready_s']:>7.1f} {r['agent_cpu_s']:>8.1f}s "
               f"{r['api_cpu_s']:>6.1f}s | {r['agent_rss_mb']:>12.0f} "
               f"{r['agent_uss_mb']:>7.0f} | {r['envoy_rss_mb']:>12.0f} | "
               f"{ch['seconds'] * 1000:>8.0f} ms, agent CPU {ch['agent_cpu_s'] * 1000:>5.0f} ms")
     slope = None
-    if len(results) >= 2:
-        lo, hi = results[0], results[-1]
+    main = [r for r in results if r["remote_pods"] == "meshpods"] or results
+    if len(main) >= 2:
+        lo, hi = main[0], main[-1]
         slope = (hi["agent_rss_mb"] - lo["agent_rss_mb"]) / ((hi["pods"] - lo["pods"]) / 10_000)
         print(f"agent RSS growth: {slope:.1f} MB per 10k pods (between {lo['pods']} and "
               f"{hi['pods']})")
     print("  (ready = start → every kind in the model and a cluster per Service in Envoy; agent/API "
           "CPU = seconds each process used until then, on the same 2 CPUs: the test API server "
           "is Python and serializes every page, which a real API server does elsewhere)")
-    at = [r for r in results if r["pods"] >= TARGET_AT_PODS]
+    at = [r for r in main if r["pods"] >= TARGET_AT_PODS]
     verdict: dict[str, Any] = {"checked": bool(at)}
     if at:
         r = at[-1]
         verdict.update(ready_ok=r["ready_s"] <= TARGET_READY_S,
                        rss_ok=r["agent_rss_mb"] <= TARGET_RSS_MB)
-        print(f"at {r['pods']} pods: ready {r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
+        print(f"at {r['pods']} pods (--remote-pods {r['remote_pods']}): ready "
+              f"{r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
               f"{'PASS' if verdict['ready_ok'] else 'MISS'}; agent RSS "
               f"{r['agent_rss_mb']:.0f} MB (target ≤ {TARGET_RSS_MB:g} MB): "
               f"{'PASS' if verdict['rss_ok'] else 'MISS'}")
@@ -280,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--services", type=int, default=10_000)
     ap.add_argument("--nodes", type=int, default=300)
     ap.add_argument("--local", type=int, default=110)
+    ap.add_argument("--remote-pods", default="meshpods",
+                    help="comma-separated agent modes: meshpods (the default: this node's Pods + "
+                         "the other nodes' MeshPod records), pods (every Pod of the cluster); "
+                         "with both, each size runs both, alternating which goes first")
     ap.add_argument("--quick", action="store_true", help="CI smoke: --pods 5000 --services 500")
     ap.add_argument("--json", metavar="OUT")
     a = ap.parse_args(argv)
@@ -291,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="aether-bench-scale-")
     ok = False
     try:
-        results = [run_size(root, n, a) for n in sizes]
+        modes = [m.strip() for m in str(a.remote_pods).split(",") if m.strip()]
+        if not modes or set(modes) - {"meshpods", "pods"}:
+            ap.error("--remote-pods takes meshpods and/or pods")
+        results = []
+        for i, n in enumerate(sizes):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
+                results.append(run_size(root, n, mode, a))
         out = report(results, a)
         if a.json:
             with open(a.json, "w") as f:

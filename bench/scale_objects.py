@@ -12,6 +12,9 @@ import ipaddress
 from collections.abc import Iterator
 from typing import Any
 
+from agent.meshpods.record import record_of
+from agent.source.model import slim_pod
+
 NAMESPACES = 50
 LOCAL_NODE = "node-000"
 
@@ -156,13 +159,18 @@ def endpoint_slice(svc: int, pods: list[int], services: int, nodes: int,
 
 
 def cluster(pods: int, services: int, nodes: int, local: int) -> Iterator[dict[str, Any]]:
-    """Every object, Namespaces first."""
+    """Every object, Namespaces first; beside each pod of another node, the MeshPod record
+    its node's agent publishes (every pod here is in a managed namespace)."""
     yield from namespaces()
     for s in range(services):
         yield service(s)
     by_svc: dict[int, list[int]] = {}
     for i in range(pods):
         by_svc.setdefault(i % services, []).append(i)
-        yield pod(i, services, nodes, local)
+        p = pod(i, services, nodes, local)
+        yield p
+        node = node_of(i, nodes, local)
+        if node != LOCAL_NODE:
+            yield record_of(slim_pod(p), node)
     for s in range(services):
         yield endpoint_slice(s, by_svc.get(s, []), services, nodes, local)

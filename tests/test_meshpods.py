@@ -210,3 +210,45 @@ def test_the_watcher_holds_this_nodes_pods_and_the_others_records(
     eventually(lambda: store.get("Pod", "apps", "late") is not None)
     server.delete_object(record.KIND, "theirs", "apps", api_version=record.API_VERSION)
     eventually(lambda: store.of_kind(record.KIND) == [])
+
+
+# ---- what made every remote pod cheaper to take in --------------------------------------------
+
+
+def test_the_ipv4_fast_path_spells_addresses_as_ipaddress_does() -> None:
+    import ipaddress
+    import random
+
+    from agent.scope.services import canonical_ip
+
+    rng = random.Random(7)
+    cases = ["10.0.0.1", "010.0.0.1", "1.2.3", "256.1.1.1", "0.0.0.0", " 1.2.3.4", "::1",
+             "a.b.c.d", "1.2.3.\u0663", "00.1.1.1", "255.255.255.255", "1.2.3.4\n", "",
+             "2001:DB8::1", "::ffff:10.0.0.1"]
+    cases += [".".join(str(rng.randint(0, 300)) for _ in range(4)) for _ in range(3000)]
+    for text in cases:
+        try:
+            canon = str(ipaddress.ip_address(text.strip()))
+            want: str | None = text if canon == text else canon
+        except ValueError:
+            want = None
+        assert canonical_ip(text) == want, text
+
+
+def test_managed_gives_the_verdict_of_decide_without_parsing_annotations() -> None:
+    from agent.capture.policy import decide, managed
+    from agent.config import NodeConfig
+    from agent.source.model import NamespaceMeta, PodMeta
+
+    node = NodeConfig(node_name=NODE)
+    on = NamespaceMeta("apps", {"aether.io/managed": "true"})
+    off = NamespaceMeta("apps")
+    bad = {"capture.aether.io/exclude-outbound-ports": "80,http"}
+    for pod_ns, labels, ns, host in (
+            ("apps", {}, on, False), ("apps", {}, off, False), ("apps", {}, None, False),
+            ("apps", {"aether.io/managed": "false"}, on, False),
+            ("apps", {"aether.io/managed": "true"}, off, False), ("apps", {}, on, True),
+            ("kube-system", {"aether.io/managed": "true"}, on, False)):
+        pod = PodMeta(pod_ns, "p", labels=labels, annotations=bad, host_network=host)
+        d = decide(pod, ns, node, False)
+        assert managed(pod, ns, node) == (d.captured, d.reason)

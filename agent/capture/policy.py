@@ -204,6 +204,28 @@ def _is_agent_pod(pod: PodMeta, node: NodeConfig) -> bool:
     return all(pod.labels.get(k) == v for k, v in node.agent_labels.items())
 
 
+def managed(pod: PodMeta, namespace: NamespaceMeta | None, node: NodeConfig
+            ) -> tuple[bool, str]:
+    """Whether the mesh captures the pod, and why: the first half of ``decide``, all the
+    registry needs for every pod of the cluster (the annotations only shape *how* a pod is
+    captured, never *whether*)."""
+    if pod.namespace in node.system_namespaces:
+        return False, f"system namespace {pod.namespace}"
+    if _is_agent_pod(pod, node):
+        return False, "the agent's own pod"
+    if pod.host_network:
+        return False, "hostNetwork pod"
+    pod_label = pod.labels.get(MANAGED_LABEL, "").strip().lower()
+    ns_label = (namespace.labels if namespace else {}).get(MANAGED_LABEL, "").strip().lower()
+    if pod_label == "false":
+        return False, f"pod label {MANAGED_LABEL}=false (opt-out)"
+    if pod_label == "true":
+        return True, f"pod label {MANAGED_LABEL}=true"
+    if ns_label == "true":
+        return True, f"namespace label {MANAGED_LABEL}=true"
+    return False, "not managed (no aether.io/managed=true on pod or namespace)"
+
+
 def decide(
     pod: PodMeta,
     namespace: NamespaceMeta | None,
@@ -211,22 +233,9 @@ def decide(
     redirect_all_default: bool,
 ) -> CaptureDecision:
     """The capture decision for one pod. Never raises; problems are returned, not dropped."""
-    if pod.namespace in node.system_namespaces:
-        return CaptureDecision(False, f"system namespace {pod.namespace}")
-    if _is_agent_pod(pod, node):
-        return CaptureDecision(False, "the agent's own pod")
-    if pod.host_network:
-        return CaptureDecision(False, "hostNetwork pod")
-    pod_label = pod.labels.get(MANAGED_LABEL, "").strip().lower()
-    ns_label = (namespace.labels if namespace else {}).get(MANAGED_LABEL, "").strip().lower()
-    if pod_label == "false":
-        return CaptureDecision(False, f"pod label {MANAGED_LABEL}=false (opt-out)")
-    if pod_label == "true":
-        why = f"pod label {MANAGED_LABEL}=true"
-    elif ns_label == "true":
-        why = f"namespace label {MANAGED_LABEL}=true"
-    else:
-        return CaptureDecision(False, "not managed (no aether.io/managed=true on pod or namespace)")
+    captured, why = managed(pod, namespace, node)
+    if not captured:
+        return CaptureDecision(False, why)
 
     problems: list[AnnotationProblem] = []
     ann = pod.annotations

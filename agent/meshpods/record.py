@@ -58,8 +58,8 @@ def pod_of(record: JSON) -> JSON | None:
     if not isinstance(body, dict) or not meta.get("name"):
         return None
     pod = slim_pod({"apiVersion": "v1", **body})
-    pod["metadata"] = {**pod["metadata"], "name": meta["name"],
-                       "namespace": meta.get("namespace") or "default"}
+    pod["metadata"]["name"] = meta["name"]  # slim_pod's dicts are its own: set in place
+    pod["metadata"]["namespace"] = meta.get("namespace") or "default"
     return pod
 
 

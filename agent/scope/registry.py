@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.capture.policy import decide
+from agent.capture.policy import managed
 from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
 from agent.scope.services import canonical_ip
@@ -181,10 +181,12 @@ class Registry:
 
     def upsert_pod(self, obj: dict[str, Any]) -> tuple[set[str], set[str]]:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
-        meta = pod_from_object(obj)
-        self._api[meta.key] = obj
-        self._pod_keys_by_ns.setdefault(meta.namespace, set()).add(meta.key)
-        return self._refresh_pods({meta.key})
+        m = obj.get("metadata") or {}
+        ns = str(m.get("namespace") or "default")
+        key = sys.intern(f"{ns}/{m.get('name') or ''}")  # PodMeta.key, without building it
+        self._api[key] = obj
+        self._pod_keys_by_ns.setdefault(ns, set()).add(key)
+        return self._refresh_pods({key})
 
     def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
         key = f"{namespace}/{name}"
@@ -315,10 +317,8 @@ class Registry:
         if phase in ("Succeeded", "Failed"):
             return None  # finished pods are no endpoints, even if the object lingers
         meta = pod_from_object(obj)
-        if reg is None:
-            decision = decide(meta, self._namespaces.get(meta.namespace), self.node, False)
-            if not decision.captured:
-                return None
+        if reg is None and not managed(meta, self._namespaces.get(meta.namespace), self.node)[0]:
+            return None
         ips = _pod_ips(obj)
         if reg is not None and (not ips or (reg.uid and meta.uid and reg.uid != meta.uid)):
             ips = reg.ips  # the CNI saw the sandbox before the API reported it

@@ -377,7 +377,8 @@ def meshpod_object(record: dict[str, Any]) -> dict[str, Any]:
     if pod is None:
         pod = {"metadata": {"name": str(meta.get("name") or ""),
                             "namespace": str(meta.get("namespace") or "default")}}
-    return {**pod, "apiVersion": MESHPOD_API_VERSION, "kind": MESHPOD_KIND}
+    pod["apiVersion"], pod["kind"] = MESHPOD_API_VERSION, MESHPOD_KIND  # a fresh dict
+    return pod
 
 
 def _lines(resp: Any) -> Iterator[str]:
