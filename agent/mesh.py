@@ -20,7 +20,6 @@ from typing import Any, Protocol
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
-from agent.heap import Trimmer
 from agent.scope.model import MeshModel, ServiceView
 from agent.scope.route_tables import GammaResult, build_tables
 from agent.scope.routes import Route
@@ -76,7 +75,6 @@ class MeshRuntime:
         self._reg_guard = threading.Lock()
         self._reg_thread: threading.Thread | None = None
         self.registrations_deferred = 0
-        self.trimmer = Trimmer()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, watcher: Watcher | None, sink: ServiceSink | None,
@@ -92,7 +90,6 @@ class MeshRuntime:
         # serving from now on: a Namespace change re-evaluates its pods in paced chunks
         self.model.breathe = breathe
         self.publish_now()
-        self.trimmer.maybe()  # the initial lists' and the first push's buffers go back
         self._thread.start()
 
     def follow_objects(self) -> None:
@@ -236,7 +233,6 @@ class MeshRuntime:
             self._dirty.clear()
             try:
                 self.publish_now()
-                self.trimmer.maybe()
             except Exception:
                 log.exception("publishing the mesh config failed; will retry")
                 time.sleep(0.5)
@@ -262,7 +258,6 @@ class MeshRuntime:
             "pushes": self.pushes,
             "last_push_ms": round(self.last_push_s * 1000, 2),
             "learned_total": self.learned_total,
-            "heap_trims": self.trimmer.trims,
             # pod registrations an ADD/DEL handed off because the model was busy; queued now
             "registrations_deferred": self.registrations_deferred,
             "registrations_queued": len(self._reg_queue),
