@@ -2,8 +2,9 @@
 
     python -m bench.scale_api --pods N --services S --nodes K --local L --dir DIR
 
-Loads the objects (``bench.scale_objects``), writes ``DIR/kubeconfig``, prints ``READY`` and
-serves until killed. A process of its own so the agent's CPU and memory are measured apart
+Loads the objects (``bench.scale_objects``) and encodes each as a list item once (a real
+API server serves lists from memory, on machines of its own: the first LIST's encoding is
+not the agent's cost), writes ``DIR/kubeconfig``, prints ``READY`` and serves until killed. A process of its own so the agent's CPU and memory are measured apart
 from the server's (in a real cluster the API server runs elsewhere).
 """
 
@@ -28,7 +29,7 @@ def main() -> int:
     ap.add_argument("--dir", required=True)
     a = ap.parse_args()
     srv = FakeApiServer(bookmark_interval=5.0, history_limit=100_000).start()
-    n = srv.bulk_load(cluster(a.pods, a.services, a.nodes, a.local))
+    n = srv.bulk_load(cluster(a.pods, a.services, a.nodes, a.local), encode=True)
     srv.kubeconfig(os.path.join(a.dir, "kubeconfig"))
     print(f"READY {n} objects at {srv.url}", flush=True)
     done = threading.Event()

@@ -126,6 +126,19 @@ def relay_envoy_line(logger: logging.Logger, raw: bytes) -> None:
     logger.log(lvl, "%s", line)
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent pid from /proc/<pid>/stat (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm) state"
+    except (ValueError, IndexError):
+        return None
+
+
 def envoy_child(keeper_pid: int, timeout: float = 2.0) -> int | None:
     """The Envoy process under a keeper (it appears a moment after the keeper starts)."""
     deadline = time.monotonic() + timeout
@@ -219,6 +232,7 @@ class EnvoySupervisor:
         self.on_spawn = on_spawn  # told the child pid after every (re)spawn: pid files
         self.log_file = log_file
         self.use_keeper = use_keeper
+        self._envoy_pid: tuple[int, int] | None = None  # (keeper pid, Envoy pid)
         self.binary = find_envoy_binary(binary)
         self.bootstrap_path = bootstrap_path
         self.admin_address = admin_address
@@ -352,11 +366,18 @@ class EnvoySupervisor:
 
     @property
     def pid(self) -> int | None:
-        """Envoy's own pid."""
+        """Envoy's own pid. Under a keeper, remembered while that process is still the
+        keeper's child: finding it again lists every process of the node (psutil's
+        children() reads all of /proc), which status and the watchdog asked for seconds."""
         pid = self.child_pid
         if pid is None or not self.use_keeper:
             return pid
-        return envoy_child(pid)
+        known = self._envoy_pid
+        if known is not None and known[0] == pid and _parent_of(known[1]) == pid:
+            return known[1]
+        found = envoy_child(pid)
+        self._envoy_pid = (pid, found) if found is not None else None
+        return found
 
     def ready(self) -> bool:
         """Admin ``/ready`` answers 200 LIVE (initial xDS applied, workers started)."""
