@@ -99,6 +99,17 @@ def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
                     f"{nc['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
                     if ratios else "-",
                     ("PASS" if nc["target_met"] else "MISS") + f" (≥ {nc['target']:g}×)"))
+    rt = dp.get("routed_http")
+    if rt:
+        cap = [r["rps"] for r in rt["runs"] if r["mode"] == "captured"]
+        dr = [r["rps"] for r in rt["runs"] if r["mode"] == "direct"]
+        ratios = rt["rps_ratios"]
+        out.append(("envoy_path", "HTTP through a GAMMA route, keep-alive -c32, requests/s",
+                    f"{statistics.median(cap):.0f}" if cap else "-",
+                    f"direct {statistics.median(dr):.0f}" if dr else "-",
+                    f"{rt['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
+                    if ratios else "-",
+                    ("PASS" if rt["target_met"] else "MISS") + f" (≥ {rt['target']:g}×)"))
     return out
 
 

@@ -1,14 +1,20 @@
 """Benchmark: the real `aether-agent run` process at cluster scale, its Envoy connected.
 
     python -m bench.agent_scale [--pods 50000,100000] [--services 10000] [--nodes 300]
-                                [--local 110] [--quick] [--json OUT]
+                                [--local 110] [--remote-pods meshpods,pods] [--quick]
+                                [--json OUT]
 
 For each size, the project's test API server (``bench.scale_api``, a process of its own)
 holds a cluster: 50 managed namespaces, ``--services`` Services each with one EndpointSlice,
 and ``--pods`` realistic Pods (``bench.scale_objects``: env, probes, volumes, managedFields,
 full status; ~4.4 KB of JSON each) spread over ``--nodes`` nodes, ``--local`` of them on
-ours. The agent runs as production runs it (``--kubeconfig``, Envoy on), with ``--scope all``
-so every Service reaches its Envoy: the heaviest configuration.
+ours, and beside every pod of another node the MeshPod record its node's agent would have
+published (``agent.meshpods``). The agent runs as production runs it (``--kubeconfig``,
+Envoy on, ``--remote-pods meshpods``: this node's Pods from the Pod API, the others from
+their records), with ``--scope all`` so every Service reaches its Envoy: the heaviest
+configuration. ``--remote-pods meshpods,pods`` also runs each size with every Pod of the
+cluster listed (the way before MeshPods), as the baseline of the same run, alternating
+which mode goes first.
 
 Figures: time from the agent's start to ready (every kind listed into the model and Envoy
 holding a cluster per Service, read from Envoy's own stats), the agent's RSS and USS then
@@ -95,7 +101,7 @@ def _service_cluster(svc: int) -> str:
 
 def _cpu_s(pid: int) -> float:
     t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+    return float(t.user + t.system)
 
 
 class Cluster:

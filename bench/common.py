@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from agent.testing.kubelet import CniError, Kubelet, Pod, exec_plugin
 from integration.conftest import AgentProc
@@ -102,7 +102,7 @@ def prepare_pod(kubelet: Kubelet, pod: Pod) -> dict[str, Any]:
     would hand aether-cni.
     """
     kubelet.create_sandbox(pod)
-    conflist = cast(dict[str, Any], kubelet.conflist)  # its inferred type is too narrow
+    conflist: dict[str, Any] = kubelet.conflist
     plugins: list[dict[str, Any]] = conflist["plugins"]
     prev: dict[str, Any] | None = None
     for plugin in plugins[:-1]:

@@ -77,8 +77,37 @@ TARGET_NEWCONN_RATIO = 0.5
 TARGET_ENVOY_KB_PER_POD = 100  # a sidecar costs tens of MB per pod
 PROBE_TIMEOUT_S = 2.0
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
-SHAPES = ("keepalive", "latency", "newconn")
+SHAPES = ("keepalive", "latency", "newconn", "routed")
 BODY_BYTES = 1024
+# the routed shape: a Service with a GAMMA HTTPRoute whose endpoint is the same server
+ROUTED = "routed"
+ROUTED_IP, ROUTED_PORT = "10.96.250.10", 80
+ROUTED_CLUSTER = f"svc|{NAMESPACE}|{ROUTED}|{ROUTED_PORT}"
+TARGET_ROUTED_RATIO = 0.5
+
+
+def routed_manifest(server_ip: str, server_port: int) -> list[dict[str, Any]]:
+    """Service ``routed`` (appProtocol http) with an HTTPRoute attached (parentRef the
+    Service, backendRef itself), its one endpoint the benchmark's server: a pod of another
+    node whose address is the host's bridge address, where the server listens."""
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": ROUTED, "namespace": NAMESPACE},
+         "spec": {"clusterIP": ROUTED_IP, "clusterIPs": [ROUTED_IP], "selector": {"app": ROUTED},
+                  "ports": [{"name": "http", "port": ROUTED_PORT, "targetPort": server_port,
+                             "appProtocol": "http"}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+         "metadata": {"name": ROUTED, "namespace": NAMESPACE,
+                      "creationTimestamp": "2026-01-01T00:00:00Z"},
+         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": ROUTED,
+                                  "port": ROUTED_PORT}],
+                  "rules": [{"backendRefs": [{"name": ROUTED, "port": ROUTED_PORT}]}]}},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": "routed-server", "namespace": NAMESPACE, "uid": "u-routed-server",
+                      "labels": {"app": ROUTED}},
+         "spec": {"nodeName": "server-node", "serviceAccountName": "default"},
+         "status": {"phase": "Running", "podIP": server_ip, "podIPs": [{"ip": server_ip}],
+                    "conditions": [{"type": "Ready", "status": "True"}]}},
+    ]
 
 
 @dataclass
@@ -351,9 +380,11 @@ class Run:
     wall_s: float
     cpu: dict[str, float]  # share of the machine (all CPUs = 100 %)
     passthrough_cx: int
-    # "keepalive" (-c32, saturated), "latency" (-c1: one request in flight) or "newconn" (a
-    # new TCP connection per request)
+    # "keepalive" (-c32, saturated), "latency" (-c1: one request in flight), "newconn" (a
+    # new TCP connection per request) or "routed" (-c32 through a GAMMA route: captured
+    # runs dial the Service, direct runs the server as before)
     shape: str = "keepalive"
+    routed_rq: int = 0  # requests Envoy sent through the routed Service's cluster
 
 
 def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: float,
@@ -361,18 +392,23 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
     envoy_pid = phase.envoy_pid()
     ncpu = os.cpu_count() or 1
     cx0 = phase.stat("cluster.passthrough.upstream_cx_total")
+    rq0 = phase.stat(f"cluster.{ROUTED_CLUSTER}.upstream_rq_total")
     agent_pid = phase.agent.proc.pid if phase.agent.proc else None
     node0, srv0 = _proc_cpu(envoy_pid), _proc_cpu(server.proc.pid if server.proc else None)
     agent0 = _proc_cpu(agent_pid)
     kids0, sys0, t0 = _children_cpu(), _sys_cpu(), time.perf_counter()
     threads, conns = (1, 1) if shape == "latency" else (WRK_THREADS, WRK_CONNECTIONS)
-    result = run_wrk(pod.netns_name, f"http://{phase.gw4}:{server.port}/", duration,
-                     threads, conns, new_connection=shape == "newconn")
+    url = f"http://{phase.gw4}:{server.port}/"
+    if shape == "routed" and mode == "captured":
+        url = f"http://{ROUTED_IP}:{ROUTED_PORT}/"
+    result = run_wrk(pod.netns_name, url, duration, threads, conns,
+                     new_connection=shape == "newconn")
     wall = time.perf_counter() - t0
     kids1, sys1 = _children_cpu(), _sys_cpu()
     node1, srv1 = _proc_cpu(envoy_pid), _proc_cpu(server.proc.pid if server.proc else None)
     agent1 = _proc_cpu(agent_pid)
     cx1 = phase.stat("cluster.passthrough.upstream_cx_total")
+    rq1 = phase.stat(f"cluster.{ROUTED_CLUSTER}.upstream_rq_total")
     d = [b - a for a, b in zip(sys0, sys1, strict=True)]
     total = sum(d) or 1
     # /proc/stat: user nice system idle iowait irq softirq steal
@@ -391,7 +427,7 @@ def measure(phase: Phase, server: ServerEnvoy, pod: Pod, mode: str, duration: fl
     if result.socket_errors or result.non_2xx:
         progress(f"  warning: {mode}: {result.socket_errors} socket errors, "
                  f"{result.non_2xx} non-2xx")
-    return Run(mode, result, wall, cpu, cx1 - cx0, shape)
+    return Run(mode, result, wall, cpu, cx1 - cx0, shape, rq1 - rq0)
 
 
 def _client_sysctls(pod: Pod) -> None:
@@ -413,6 +449,19 @@ def data_path(phase: Phase, server: ServerEnvoy, captured: Pod, direct: Pod, dur
     for mode in ("direct", "captured"):
         run_wrk(pods[mode].netns_name, f"http://{phase.gw4}:{server.port}/", 1,
                 WRK_THREADS, WRK_CONNECTIONS)
+    deadline = time.monotonic() + 30
+    while True:  # the routed Service in Envoy (the manifest watcher, then a push)
+        try:
+            w: WrkResult | str = run_wrk(captured.netns_name,
+                                         f"http://{ROUTED_IP}:{ROUTED_PORT}/", 1, 1, 1)
+        except (RuntimeError, ValueError) as e:  # nothing answered: no latency lines
+            w = str(e)
+        if isinstance(w, WrkResult) and w.requests > 0 and not w.non_2xx \
+                and not w.socket_errors:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the routed Service never answered: {w}")
+        time.sleep(0.5)
     order: list[str] = []
     for r in range(rounds):
         order += ["direct", "captured"] if r % 2 == 0 else ["captured", "direct"]
@@ -421,10 +470,16 @@ def data_path(phase: Phase, server: ServerEnvoy, captured: Pod, direct: Pod, dur
         for i, mode in enumerate(order, 1):
             progress(f"[data] wrk {shape} {mode} ({i}/{len(order)}, {duration:g} s) …")
             runs.append(measure(phase, server, pods[mode], mode, duration, shape))
-    bad = [r for r in runs if (r.mode == "captured") != (r.passthrough_cx > 0)]
+    def went_as_meant(r: Run) -> bool:
+        if r.shape == "routed" and r.mode == "captured":  # the route, not the passthrough
+            return r.passthrough_cx == 0 and r.routed_rq >= r.wrk.requests
+        return (r.mode == "captured") == (r.passthrough_cx > 0) and r.routed_rq == 0
+
+    bad = [r for r in runs if not went_as_meant(r)]
     if bad:
-        raise RuntimeError("capture check failed: passthrough connections per run "
-                           f"{[(r.mode, r.passthrough_cx) for r in runs]}")
+        seen = [(r.shape, r.mode, r.passthrough_cx, r.routed_rq, r.wrk.requests) for r in bad]
+        raise RuntimeError("capture check failed: (shape, mode, passthrough connections, routed "
+                           f"requests, wrk requests) per run {seen}")
     return runs
 
 
@@ -498,9 +553,34 @@ def newconn_report(runs: list[Run]) -> dict[str, Any]:
             "target": TARGET_NEWCONN_RATIO, "target_met": ok}
 
 
+def routed_report(runs: list[Run]) -> dict[str, Any]:
+    """HTTP through a GAMMA route (Envoy parses each request, routes it to the Service's
+    cluster and pools upstream connections) against the same server reached directly."""
+    ratios = sorted(c.wrk.rps / d.wrk.rps for d, c in _pairs(runs) if d.wrk.rps > 0)
+    med = statistics.median(ratios) if ratios else float("nan")
+    ok = med >= TARGET_ROUTED_RATIO
+    print()
+    print(f"2c. HTTP through a GAMMA HTTPRoute (wrk -t{WRK_THREADS} -c{WRK_CONNECTIONS} keep-alive "
+          f"to Service {ROUTED_IP}:{ROUTED_PORT}; direct: the server's own address), ABBA")
+    for r in runs:
+        w = r.wrk
+        print(f"{r.mode:<10} | {w.rps:>9.0f} req/s | p50 {w.p50_ms:>7.3f} ms p99 "
+              f"{w.p99_ms:>7.3f} | errors {w.socket_errors + w.non_2xx:>3} | routed "
+              f"{r.routed_rq:>7} | cpu% node-envoy {r.cpu['node_envoy']:>5.1f} server "
+              f"{r.cpu['server_envoy']:>5.1f} wrk {r.cpu['wrk']:>5.1f}")
+    spread = f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
+    print(f"routed/direct req/s = {med:.2f}× median over {len(ratios)} pair(s) (spread {spread}; "
+          f"target ≥ {TARGET_ROUTED_RATIO:g}×): {'PASS' if ok else 'MISS'}")
+    return {"runs": [{"mode": r.mode, **r.wrk.to_json(), "routed_rq": r.routed_rq}
+                     for r in runs],
+            "rps_ratios": [round(x, 3) for x in ratios], "rps_ratio_median": round(med, 3),
+            "target": TARGET_ROUTED_RATIO, "target_met": ok}
+
+
 def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], args: Any
            ) -> dict[str, Any]:
     newconn = [r for r in runs if r.shape == "newconn"]
+    routed = [r for r in runs if r.shape == "routed"]
     latency = [r for r in runs if r.shape == "latency"]
     runs = [r for r in runs if r.shape == "keepalive"]
     print()
@@ -626,6 +706,7 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
     lat = latency_report(latency)
     p50_ok = lat["target_met"]
     nc = newconn_report(newconn)
+    rt = routed_report(routed)
     return {
         "benchmark": "envoy_path",
         "machine": machine,
@@ -649,8 +730,9 @@ def report(base: Phase, env: Phase, runs: list[Run], machine: dict[str, str], ar
             "p50_target_met": p50_ok,
             "one_in_flight": lat,
             "new_connection_per_request": nc,
+            "routed_http": rt,
         },
-        "all_targets_met": live_ok and rps_ok and p50_ok and nc["target_met"],
+        "all_targets_met": live_ok and rps_ok and p50_ok and nc["target_met"] and rt["target_met"],
     }
 
 
@@ -700,9 +782,10 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="aether-bench-envoy-")
     base = Phase(root, "base", envoy=False, net=218, pods=args.pods, levels=levels)
     env = Phase(root, "envoy", envoy=True, net=219, pods=args.pods, levels=levels)
-    cap_pod = env.extra_pod("wrk-captured", {})
+    cap_pod = env.extra_pod("wrk-captured", {"aether.io/dependencies": ROUTED})
     dir_pod = env.extra_pod("wrk-direct", {EXCLUDE_ANNOTATION: f"{env.gw4}/32"})
     server = ServerEnvoy(os.path.join(root), BODY_BYTES)
+    env.agent.write("bench-routed.yaml", routed_manifest(env.gw4, server.port))
     recorder: Recorder | None = None
     ok = False
     try:

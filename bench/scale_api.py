@@ -4,7 +4,8 @@
 
 Loads the objects (``bench.scale_objects``) and encodes each as a list item once (a real
 API server serves lists from memory, on machines of its own: the first LIST's encoding is
-not the agent's cost), writes ``DIR/kubeconfig``, prints ``READY`` and serves until killed. A process of its own so the agent's CPU and memory are measured apart
+not the agent's cost), writes ``DIR/kubeconfig``, prints ``READY`` and serves until
+killed. A process of its own so the agent's CPU and memory are measured apart
 from the server's (in a real cluster the API server runs elsewhere).
 """
 
