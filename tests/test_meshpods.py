@@ -252,3 +252,14 @@ def test_managed_gives_the_verdict_of_decide_without_parsing_annotations() -> No
         pod = PodMeta(pod_ns, "p", labels=labels, annotations=bad, host_network=host)
         d = decide(pod, ns, node, False)
         assert managed(pod, ns, node) == (d.captured, d.reason)
+
+
+def test_without_the_crd_publishing_fails_with_404_and_keeps_retrying(
+        server: FakeApiServer, api: client.ApiClient) -> None:
+    with server._lock:  # an API server where the MeshPod CRD is not installed
+        server._by_path.pop((record.API_VERSION, record.PLURAL))
+    m = Mesh().put(pod("p1", ("10.0.0.1",)))
+    pub = MeshPodPublisher.for_mesh(m.objects, m.model, MeshPodWriter(api, NODE))
+    assert not pub.run_once()
+    assert pub.failures == 1 and "404" in str(pub.last_error)
+    assert pub.status()["last_error"] == pub.last_error
