@@ -53,6 +53,18 @@ def rows_cni_add(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _ratio_row(label: str, shape: dict[str, Any]) -> Row:
+    """An envoy_path shape judged by its captured/direct req/s ratio (median of the pairs)."""
+    cap = [r["rps"] for r in shape["runs"] if r["mode"] == "captured"]
+    dr = [r["rps"] for r in shape["runs"] if r["mode"] == "direct"]
+    ratios = shape["rps_ratios"]
+    return ("envoy_path", label, f"{statistics.median(cap):.0f}" if cap else "-",
+            f"direct {statistics.median(dr):.0f}" if dr else "-",
+            f"{shape['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
+            if ratios else "-",
+            ("PASS" if shape["target_met"] else "MISS") + f" (≥ {shape['target']:g}×)")
+
+
 def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
     for lv in d["add"]["levels"]:
@@ -88,28 +100,10 @@ def rows_envoy_path(d: dict[str, Any]) -> list[Row]:
         out.append(("envoy_path", f"node Envoy RSS per captured pod ({em['pods']} pods)",
                     f"{em['per_pod_kb']:.0f} KB", f"no pod: {em['rss0_mb']:.0f} MB", "-",
                     ("PASS" if em["target_met"] else "MISS") + f" (≤ {em['target_kb']} KB)"))
-    nc = dp.get("new_connection_per_request")
-    if nc:
-        cap = [r["rps"] for r in nc["runs"] if r["mode"] == "captured"]
-        dr = [r["rps"] for r in nc["runs"] if r["mode"] == "direct"]
-        ratios = nc["rps_ratios"]
-        out.append(("envoy_path", "new connection per request, requests/s",
-                    f"{statistics.median(cap):.0f}" if cap else "-",
-                    f"direct {statistics.median(dr):.0f}" if dr else "-",
-                    f"{nc['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
-                    if ratios else "-",
-                    ("PASS" if nc["target_met"] else "MISS") + f" (≥ {nc['target']:g}×)"))
-    rt = dp.get("routed_http")
-    if rt:
-        cap = [r["rps"] for r in rt["runs"] if r["mode"] == "captured"]
-        dr = [r["rps"] for r in rt["runs"] if r["mode"] == "direct"]
-        ratios = rt["rps_ratios"]
-        out.append(("envoy_path", "HTTP through a GAMMA route, keep-alive -c32, requests/s",
-                    f"{statistics.median(cap):.0f}" if cap else "-",
-                    f"direct {statistics.median(dr):.0f}" if dr else "-",
-                    f"{rt['rps_ratio_median']:.2f}× (spread {min(ratios):.2f}–{max(ratios):.2f})"
-                    if ratios else "-",
-                    ("PASS" if rt["target_met"] else "MISS") + f" (≥ {rt['target']:g}×)"))
+    for key, label in (("new_connection_per_request", "new connection per request, requests/s"),
+                       ("routed_http", "HTTP through a GAMMA route, keep-alive -c32, requests/s")):
+        if dp.get(key):
+            out.append(_ratio_row(label, dp[key]))
     return out
 
 

@@ -527,13 +527,19 @@ def latency_report(runs: list[Run]) -> dict[str, Any]:
             "target_ms": TARGET_P50_DELTA_MS, "target_met": ok}
 
 
+def _ratio_verdict(runs: list[Run], target: float) -> tuple[list[float], float, bool, str]:
+    """captured/direct req/s per ABBA pair (sorted), their median, the verdict, the spread."""
+    ratios = sorted(c.wrk.rps / d.wrk.rps for d, c in _pairs(runs) if d.wrk.rps > 0)
+    med = statistics.median(ratios) if ratios else float("nan")
+    spread = f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
+    return ratios, med, med >= target, spread
+
+
 def newconn_report(runs: list[Run]) -> dict[str, Any]:
     """A new TCP connection per request (`Connection: close`): what capture adds most to —
     the redirect, Envoy's accept in the pod netns, the internal hop, and an upstream socket
     opened in the pod's netns. Ratios per ABBA pair (same round), median and spread."""
-    ratios = sorted(c.wrk.rps / d.wrk.rps for d, c in _pairs(runs) if d.wrk.rps > 0)
-    med = statistics.median(ratios) if ratios else float("nan")
-    ok = med >= TARGET_NEWCONN_RATIO
+    ratios, med, ok, spread = _ratio_verdict(runs, TARGET_NEWCONN_RATIO)
     print()
     print(f"2b. a new connection per request (wrk -H 'Connection: close', -c{WRK_CONNECTIONS}), "
           "same pods and server, ABBA")
@@ -544,7 +550,6 @@ def newconn_report(runs: list[Run]) -> dict[str, Any]:
               f"{r.cpu['node_envoy']:>5.1f} server {r.cpu['server_envoy']:>5.1f} wrk "
               f"{r.cpu['wrk']:>5.1f} agent {r.cpu['agent']:>5.1f} softirq {r.cpu['softirq']:>5.1f}"
               f" idle {r.cpu['idle']:>5.1f}")
-    spread = f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
     print(f"captured/direct new-connection req/s = {med:.2f}× median over {len(ratios)} pair(s) "
           f"(spread {spread}; target ≥ {TARGET_NEWCONN_RATIO:g}×): {'PASS' if ok else 'MISS'}")
     return {"runs": [{"mode": r.mode, **r.wrk.to_json(), "passthrough_cx": r.passthrough_cx}
@@ -556,9 +561,7 @@ def newconn_report(runs: list[Run]) -> dict[str, Any]:
 def routed_report(runs: list[Run]) -> dict[str, Any]:
     """HTTP through a GAMMA route (Envoy parses each request, routes it to the Service's
     cluster and pools upstream connections) against the same server reached directly."""
-    ratios = sorted(c.wrk.rps / d.wrk.rps for d, c in _pairs(runs) if d.wrk.rps > 0)
-    med = statistics.median(ratios) if ratios else float("nan")
-    ok = med >= TARGET_ROUTED_RATIO
+    ratios, med, ok, spread = _ratio_verdict(runs, TARGET_ROUTED_RATIO)
     print()
     print(f"2c. HTTP through a GAMMA HTTPRoute (wrk -t{WRK_THREADS} -c{WRK_CONNECTIONS} keep-alive "
           f"to Service {ROUTED_IP}:{ROUTED_PORT}; direct: the server's own address), ABBA")
@@ -568,7 +571,6 @@ def routed_report(runs: list[Run]) -> dict[str, Any]:
               f"{w.p99_ms:>7.3f} | errors {w.socket_errors + w.non_2xx:>3} | routed "
               f"{r.routed_rq:>7} | cpu% node-envoy {r.cpu['node_envoy']:>5.1f} server "
               f"{r.cpu['server_envoy']:>5.1f} wrk {r.cpu['wrk']:>5.1f}")
-    spread = f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "n/a"
     print(f"routed/direct req/s = {med:.2f}× median over {len(ratios)} pair(s) (spread {spread}; "
           f"target ≥ {TARGET_ROUTED_RATIO:g}×): {'PASS' if ok else 'MISS'}")
     return {"runs": [{"mode": r.mode, **r.wrk.to_json(), "routed_rq": r.routed_rq}

@@ -25,6 +25,7 @@ from typing import IO, Any
 import psutil
 
 from agent.backoff import backoff_delay
+from agent.envoy.watchdog import stat_fields
 
 # SocketAddress.network_namespace_filepath landed in the API after the 1.34 release
 # (envoyproxy/envoy#38945, Apr 2025); the first release carrying it is 1.35.
@@ -128,14 +129,12 @@ def relay_envoy_line(logger: logging.Logger, raw: bytes) -> None:
 
 def _parent_of(pid: int) -> int | None:
     """The parent pid from /proc/<pid>/stat (None: no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+    fields = stat_fields(f"/proc/{pid}/stat")
+    if fields is None:
         return None
     try:
-        return int(stat[stat.rindex(b")") + 2:].split()[1])  # after "(comm) state"
-    except (ValueError, IndexError):
+        return int(fields[1])  # field 4, after the state
+    except (IndexError, ValueError):
         return None
 
 

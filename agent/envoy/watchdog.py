@@ -35,15 +35,23 @@ def verdict(silent_s: float, cpu_delta_s: float | None, window_s: float, hang_ti
     return "hung"
 
 
-def main_thread_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) of ``pid``'s main thread, from /proc; None if gone."""
+def stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a /proc ``stat`` file after the command name (field 3, the state, is
+    index 0); None if the process is gone. The name (field 2) may hold spaces and
+    parentheses: the fields follow the last ')'."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError:
         return None
-    # the command name (field 2) may hold spaces and parentheses: fields follow the last ')'
-    fields = raw[raw.rfind(b")") + 2:].split()
+    return raw[raw.rfind(b")") + 2:].split()
+
+
+def main_thread_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) of ``pid``'s main thread, from /proc; None if gone."""
+    fields = stat_fields(f"/proc/{pid}/task/{pid}/stat")
+    if fields is None:
+        return None
     try:
         ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     except (IndexError, ValueError):

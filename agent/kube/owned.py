@@ -44,6 +44,16 @@ class OwnedApi(Protocol):
     def delete(self, ns: str, name: str) -> None: ...
 
 
+class RawApi:
+    """Base of the ``OwnedApi`` edges: raw JSON (``_preload_content=False``), one timeout."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def opts(self) -> dict[str, Any]:
+        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+
+
 def raw_json(resp: Any) -> JSON:
     """The body of a ``_preload_content=False`` answer."""
     data: JSON = json.loads(resp.data) if resp.data else {}

@@ -14,44 +14,41 @@ from typing import Any, Protocol
 
 from kubernetes import client
 
-from agent.kube.owned import Desired, OwnedLoop, OwnedWriter, raw_json
+from agent.kube.owned import Desired, OwnedLoop, OwnedWriter, RawApi, raw_json
 from agent.meshpods.record import GROUP, JSON, PLURAL, VERSION, desired_records, owned_selector
 
 COMPARED = ("spec",)
 
 
-class _MeshPodApi:
+class _MeshPodApi(RawApi):
     """MeshPods through CustomObjectsApi, raw JSON in and out."""
 
     kind = "MeshPod"
 
     def __init__(self, api: client.ApiClient, timeout: float) -> None:
+        super().__init__(timeout)
         self.custom: Any = client.CustomObjectsApi(api)
-        self.timeout = timeout
-
-    def _opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
 
     def list_owned(self, selector: str) -> list[JSON]:
         resp = self.custom.list_custom_object_for_all_namespaces(
-            GROUP, VERSION, PLURAL, label_selector=selector, **self._opts())
+            GROUP, VERSION, PLURAL, label_selector=selector, **self.opts())
         return list(raw_json(resp).get("items") or [])
 
     def create(self, ns: str, body: JSON) -> JSON:
         return raw_json(self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, body, **self._opts()))
+            GROUP, VERSION, ns, PLURAL, body, **self.opts()))
 
     def read(self, ns: str, name: str) -> JSON:
         return raw_json(self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, **self._opts()))
+            GROUP, VERSION, ns, PLURAL, name, **self.opts()))
 
     def replace(self, ns: str, name: str, body: JSON) -> JSON:
         return raw_json(self.custom.replace_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, body, **self._opts()))
+            GROUP, VERSION, ns, PLURAL, name, body, **self.opts()))
 
     def delete(self, ns: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, **self._opts()).release_conn()
+            GROUP, VERSION, ns, PLURAL, name, **self.opts()).release_conn()
 
 
 class MeshPodWriter(OwnedWriter):

@@ -20,6 +20,7 @@ from agent.kube.owned import (
     Desired,
     OwnedLoop,
     OwnedWriter,
+    RawApi,
     WriteError,
     raw_json,
     unchanged,
@@ -42,35 +43,32 @@ COMPARED = ("addressType", "endpoints", "ports")
 SliceWriteError = WriteError
 
 
-class _SliceApi:
+class _SliceApi(RawApi):
     """EndpointSlices through DiscoveryV1Api, raw JSON in and out (no model classes)."""
 
     kind = "EndpointSlice"
 
     def __init__(self, api: client.ApiClient, timeout: float) -> None:
+        super().__init__(timeout)
         self.discovery: Any = client.DiscoveryV1Api(api)
-        self.timeout = timeout
-
-    def _opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
 
     def list_owned(self, selector: str) -> list[JSON]:
         resp = self.discovery.list_endpoint_slice_for_all_namespaces(
-            label_selector=selector, **self._opts())
+            label_selector=selector, **self.opts())
         return list(raw_json(resp).get("items") or [])
 
     def create(self, ns: str, body: JSON) -> JSON:
-        return raw_json(self.discovery.create_namespaced_endpoint_slice(ns, body, **self._opts()))
+        return raw_json(self.discovery.create_namespaced_endpoint_slice(ns, body, **self.opts()))
 
     def read(self, ns: str, name: str) -> JSON:
-        return raw_json(self.discovery.read_namespaced_endpoint_slice(name, ns, **self._opts()))
+        return raw_json(self.discovery.read_namespaced_endpoint_slice(name, ns, **self.opts()))
 
     def replace(self, ns: str, name: str, body: JSON) -> JSON:
         return raw_json(self.discovery.replace_namespaced_endpoint_slice(
-            name, ns, body, **self._opts()))
+            name, ns, body, **self.opts()))
 
     def delete(self, ns: str, name: str) -> None:
-        self.discovery.delete_namespaced_endpoint_slice(name, ns, **self._opts()).release_conn()
+        self.discovery.delete_namespaced_endpoint_slice(name, ns, **self.opts()).release_conn()
 
 
 class SliceWriter(OwnedWriter):
