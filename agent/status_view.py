@@ -45,6 +45,21 @@ def identity_lines(ident: dict[str, Any]) -> list[str]:
 TOP_CALLERS = 10
 
 
+def meshpod_lines(mp: dict[str, Any] | None, kinds: dict[str, int]) -> list[str]:
+    """Where other nodes' pods come from, and this node's published records."""
+    if not mp:
+        return []
+    mode = mp.get("remote_pods")
+    held = (f"{kinds.get('MeshPod', 0)} MeshPod records read" if mode == "meshpods"
+            else f"{kinds.get('Pod', 0)} Pods listed cluster-wide")
+    lines = [f"remote pods: --remote-pods {mode} · {held} · this node publishes "
+             f"{len(mp.get('owned') or [])} (writes {mp.get('writes', 0)}, failures "
+             f"{mp.get('failures', 0)})"]
+    if mp.get("last_error"):
+        lines.append(f"  MESHPOD PUBLISHING FAILS: {mp['last_error']}")
+    return lines
+
+
 def _duration(seconds: float) -> str:
     if seconds < 0:
         return "expired"
@@ -135,6 +150,7 @@ def render(st: dict[str, Any]) -> str:
                 lines.append(f"  {t}: {', '.join(routes)}")
         for prob in (mesh.get("route_problems") or [])[:30]:
             lines.append(f"  ROUTE PROBLEM: {prob}")
+    lines += meshpod_lines(st.get("meshpods"), (mesh or {}).get("objects_by_kind") or {})
     for miss in st.get("capture_missing") or []:
         lines.append(f"  CAPTURE MISSING: {miss}")
     warnings = st.get("warnings", [])

@@ -263,3 +263,19 @@ def test_without_the_crd_publishing_fails_with_404_and_keeps_retrying(
     assert not pub.run_once()
     assert pub.failures == 1 and "404" in str(pub.last_error)
     assert pub.status()["last_error"] == pub.last_error
+
+
+def test_status_says_where_remote_pods_come_from_and_what_failed() -> None:
+    from agent.status_view import meshpod_lines, render
+
+    mp = {"owned": ["apps/p1", "apps/p2"], "writes": 3, "failures": 1, "remote_pods": "meshpods",
+          "last_error": "HTTP 404 Not Found"}
+    lines = meshpod_lines(mp, {"Pod": 2, "MeshPod": 99})
+    assert lines == ["remote pods: --remote-pods meshpods · 99 MeshPod records read · this node "
+                     "publishes 2 (writes 3, failures 1)",
+                     "  MESHPOD PUBLISHING FAILS: HTTP 404 Not Found"]
+    assert meshpod_lines({**mp, "remote_pods": "pods", "last_error": None}, {"Pod": 7}) == [
+        "remote pods: --remote-pods pods · 7 Pods listed cluster-wide · this node publishes 2 "
+        "(writes 3, failures 1)"]
+    assert meshpod_lines(None, {}) == []
+    assert "MESHPOD PUBLISHING FAILS" in render({"pods": [], "meshpods": mp})
