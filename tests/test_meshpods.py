@@ -279,3 +279,35 @@ def test_status_says_where_remote_pods_come_from_and_what_failed() -> None:
         "(writes 3, failures 1)"]
     assert meshpod_lines(None, {}) == []
     assert "MESHPOD PUBLISHING FAILS" in render({"pods": [], "meshpods": mp})
+
+
+def test_a_record_another_node_took_over_is_not_deleted(
+        server: FakeApiServer, api: client.ApiClient) -> None:
+    """The pod moved: node-b deleted this node's record of it and wrote its own under the same
+    name before this node's next pass. That pass must not delete node-b's record."""
+    m = Mesh().put(pod("web-0", ("10.0.0.1",)))
+    pub = MeshPodPublisher.for_mesh(m.objects, m.model, MeshPodWriter(api, NODE))
+    assert pub.run_once()
+    assert server.delete_object(record.KIND, "web-0", "apps", api_version=record.API_VERSION)
+    theirs = server.put_object(record.record_of(slim_pod(pod("web-0", ("10.1.0.1",),
+                                                             node="node-b")), "node-b"))
+    m.delete(pod("web-0", ("10.0.0.1",)))
+    assert pub.run_once()  # the 409 (another uid now) is not a failure: the record is theirs
+    assert stored_records(server)["apps/web-0"] == theirs
+    assert pub.writer.owned == []
+
+
+def test_the_test_server_checks_delete_preconditions(server: FakeApiServer,
+                                                     api: client.ApiClient) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    live = server.put_object(record.record_of(slim_pod(pod("p1", ("10.0.0.1",))), NODE))
+    custom = client.CustomObjectsApi(api)
+    args = (record.GROUP, record.VERSION, "apps", record.PLURAL, "p1")
+    with pytest.raises(ApiException) as err:
+        custom.delete_namespaced_custom_object(*args, body={"preconditions": {"uid": "other"}})
+    assert err.value.status == 409 and "Precondition failed" in str(err.value.body)
+    assert "apps/p1" in stored_records(server)
+    custom.delete_namespaced_custom_object(
+        *args, body={"preconditions": {"uid": live["metadata"]["uid"]}})
+    assert stored_records(server) == {}

@@ -41,7 +41,9 @@ class OwnedApi(Protocol):
     def create(self, ns: str, body: JSON) -> JSON: ...
     def read(self, ns: str, name: str) -> JSON: ...
     def replace(self, ns: str, name: str, body: JSON) -> JSON: ...
-    def delete(self, ns: str, name: str) -> None: ...
+    def delete(self, ns: str, name: str, uid: str) -> None:
+        """Delete that very object (``uid`` as a precondition: 409 if it is another now)."""
+        ...
 
 
 class RawApi:
@@ -52,6 +54,11 @@ class RawApi:
 
     def opts(self) -> dict[str, Any]:
         return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+
+    @staticmethod
+    def only(uid: str) -> dict[str, Any]:
+        """DeleteOptions that delete only the object with this uid (any, when empty)."""
+        return {"preconditions": {"uid": uid}} if uid else {}
 
 
 def raw_json(resp: Any) -> JSON:
@@ -175,10 +182,19 @@ class OwnedWriter:
         log.debug("%s %s/%s updated", kind, ns, name)
 
     def _delete(self, key: ObjKey) -> None:
+        """Delete the object we wrote, never a namesake: with its uid as a precondition, a
+        409 means the name now holds someone else's object (another node's record for a
+        pod that moved there), which is left alone and forgotten."""
         ns, name = key
+        uid = str(((self._live.get(key) or {}).get("metadata") or {}).get("uid") or "")
         try:
-            self.api.delete(ns, name)
+            self.api.delete(ns, name, uid)
         except ApiException as e:
+            if e.status == 409:
+                self._live.pop(key, None)
+                log.info("%s %s/%s is no longer ours (%s): left alone", self.api.kind, ns, name,
+                         describe(e))
+                return
             if e.status != 404:
                 raise
         self._live.pop(key, None)

@@ -46,9 +46,9 @@ class _MeshPodApi(RawApi):
         return raw_json(self.custom.replace_namespaced_custom_object(
             GROUP, VERSION, ns, PLURAL, name, body, **self.opts()))
 
-    def delete(self, ns: str, name: str) -> None:
+    def delete(self, ns: str, name: str, uid: str) -> None:
         self.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, **self.opts()).release_conn()
+            GROUP, VERSION, ns, PLURAL, name, body=self.only(uid), **self.opts()).release_conn()
 
 
 class MeshPodWriter(OwnedWriter):

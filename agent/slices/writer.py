@@ -67,8 +67,9 @@ class _SliceApi(RawApi):
         return raw_json(self.discovery.replace_namespaced_endpoint_slice(
             name, ns, body, **self.opts()))
 
-    def delete(self, ns: str, name: str) -> None:
-        self.discovery.delete_namespaced_endpoint_slice(name, ns, **self.opts()).release_conn()
+    def delete(self, ns: str, name: str, uid: str) -> None:
+        self.discovery.delete_namespaced_endpoint_slice(
+            name, ns, body=self.only(uid), **self.opts()).release_conn()
 
 
 class SliceWriter(OwnedWriter):

@@ -247,6 +247,18 @@ def _matches(
     return True
 
 
+def _check_preconditions(obj: JSON, options: Any) -> None:
+    """DeleteOptions.preconditions (uid, resourceVersion), as the real server checks them:
+    a mismatch is 409 Conflict and nothing is deleted."""
+    pre = (options or {}).get("preconditions") if isinstance(options, dict) else None
+    for field_name, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+        want = (pre or {}).get(field_name)
+        have = (obj.get("metadata") or {}).get(field_name)
+        if want and want != have:
+            raise ApiError(409, f"Precondition failed: {label} in precondition: {want}, "
+                           f"{label} in object meta: {have}", "Conflict")
+
+
 def _body_of(obj: JSON) -> JSON:
     """The parts of an object whose change bumps metadata.generation."""
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "kind", "apiVersion")}
@@ -765,6 +777,7 @@ class FakeApiServer:
             if method == "GET":
                 return 200, copy.deepcopy(old)
             if method == "DELETE" and sub is None:
+                _check_preconditions(old, body)
                 return 200, self._remove(res, ns, name)
             if method == "PUT":
                 new = self._updated(res, old, body, sub)
