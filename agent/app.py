@@ -224,13 +224,11 @@ class Agent:
                 KubeWatcher,
                 node_pods_selector,
             )
-            if o.remote_pods == "pods":
-                watcher = KubeWatcher(o.kubeconfig, MESH_KINDS, self.node.node_name,
-                                      self.mesh.objects)
-            else:
-                watcher = KubeWatcher(o.kubeconfig, MESH_KINDS_RECORDS, self.node.node_name,
-                                      self.mesh.objects,
-                                      field_selectors=node_pods_selector(self.node.node_name))
+            every_pod = o.remote_pods == "pods"
+            watcher = KubeWatcher(
+                o.kubeconfig, MESH_KINDS if every_pod else MESH_KINDS_RECORDS,
+                self.node.node_name, self.mesh.objects,
+                field_selectors=None if every_pod else node_pods_selector(self.node.node_name))
             # ADD answers from the watch cache, so API trouble does not stall pod starts
             self.source = CachedSource(self.source, self.mesh.objects)
             self.handler.source = self.source

@@ -22,6 +22,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from agent.kube.client import raw_options
+
 log = logging.getLogger("aether.gamma.lease")
 
 DEFAULT_NAMESPACE = "aether-system"
@@ -74,7 +76,7 @@ class LeaseElector:
 
     # -- API -------------------------------------------------------------------------------
     def _opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+        return raw_options(self.timeout)
 
     def _read(self) -> dict[str, Any] | None:
         try:

@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.conditions import GATEWAY_GROUP, ParentStatus
+from agent.kube.client import raw_options
 from agent.loops import DebouncedLoop
 from agent.scope.routes import ParentRef
 
@@ -175,7 +176,7 @@ class StatusWriter:
 
     # -- API -------------------------------------------------------------------------------
     def _opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+        return raw_options(self.timeout)
 
     @staticmethod
     def _json(resp: Any) -> JSON:

@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.status import AlwaysLeader, Leader
+from agent.kube.client import raw_options
 
 log = logging.getLogger("aether.gamma.xmesh")
 
@@ -111,7 +112,7 @@ class XMeshPublisher:
         self.state = "unknown"
 
     def _opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+        return raw_options(self.timeout)
 
     def installed(self) -> bool:
         """Discovery: does the API serve xmeshes? Re-checked every ``discovery_interval``."""

@@ -12,8 +12,16 @@ retry is left to it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import urllib3
 from kubernetes import client, config
+
+
+def raw_options(timeout: float) -> dict[str, Any]:
+    """Per-call options of every agent request: raw JSON answers (``_preload_content=False``:
+    no model classes) and one (connect, read) timeout."""
+    return {"_preload_content": False, "_request_timeout": (timeout, timeout)}
 
 
 class KubeConfigError(Exception):

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from kubernetes.client.exceptions import ApiException
 from tenacity import RetryCallState, RetryError, Retrying, stop_after_attempt, wait_fixed
 
+from agent.kube.client import raw_options
 from agent.loops import DebouncedLoop
 
 log = logging.getLogger("aether.kube.owned")
@@ -26,6 +27,12 @@ log = logging.getLogger("aether.kube.owned")
 JSON = dict[str, Any]
 ObjKey = tuple[str, str]  # (namespace, name)
 Desired = dict[ObjKey, JSON]
+
+
+class ObjectSource(Protocol):
+    """What a writer's desired state is computed from (the mesh's ObjectStore)."""
+
+    def of_kind(self, kind: str) -> list[JSON]: ...
 
 
 class WriteError(Exception):
@@ -53,7 +60,7 @@ class RawApi:
         self.timeout = timeout
 
     def opts(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": (self.timeout, self.timeout)}
+        return raw_options(self.timeout)
 
     @staticmethod
     def only(uid: str) -> dict[str, Any]:

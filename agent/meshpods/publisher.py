@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from kubernetes import client
 
-from agent.kube.owned import Desired, OwnedLoop, OwnedWriter, RawApi, raw_json
+from agent.kube.owned import Desired, ObjectSource, OwnedLoop, OwnedWriter, RawApi, raw_json
 from agent.meshpods.record import GROUP, JSON, PLURAL, VERSION, desired_records, owned_selector
 
 COMPARED = ("spec",)
@@ -59,10 +59,6 @@ class MeshPodWriter(OwnedWriter):
         self.node_name = node_name
 
 
-class _Objects(Protocol):
-    def of_kind(self, kind: str) -> list[JSON]: ...
-
-
 class _Registry(Protocol):
     def get(self, pod_key: str) -> Any: ...
 
@@ -80,7 +76,7 @@ class MeshPodPublisher(OwnedLoop):
     objects = "MeshPod records"
 
     @classmethod
-    def for_mesh(cls, objects: _Objects, model: _Model, writer: MeshPodWriter,
+    def for_mesh(cls, objects: ObjectSource, model: _Model, writer: MeshPodWriter,
                  **kw: Any) -> MeshPodPublisher:
         """A publisher fed by a MeshRuntime's ObjectStore (this node's Pods) and MeshModel
         (which of them the mesh manages)."""

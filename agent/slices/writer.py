@@ -18,6 +18,7 @@ from kubernetes import client
 
 from agent.kube.owned import (
     Desired,
+    ObjectSource,
     OwnedLoop,
     OwnedWriter,
     RawApi,
@@ -80,15 +81,11 @@ class SliceWriter(OwnedWriter):
         self.node_name = node_name
 
 
-class _Objects(Protocol):
-    def of_kind(self, kind: str) -> list[JSON]: ...
-
-
 class _Model(Protocol):
     def view(self, service_key: str) -> ServiceView | None: ...
 
 
-def mesh_desired(objects: _Objects, model: _Model, node_name: str,
+def mesh_desired(objects: ObjectSource, model: _Model, node_name: str,
                  skipped: dict[str, str] | None = None) -> Desired:
     """The node's desired slices from the mesh: opted-in Services × their local registered
     endpoints. ``skipped`` (if given) is filled with opted-in Services refused, and why."""
@@ -119,7 +116,7 @@ class SliceProjector(OwnedLoop):
         self.skipped: dict[str, str] = {}  # opted-in Services refused → why (status)
 
     @classmethod
-    def for_mesh(cls, objects: _Objects, model: _Model, writer: SliceWriter,
+    def for_mesh(cls, objects: ObjectSource, model: _Model, writer: SliceWriter,
                  **kw: Any) -> SliceProjector:
         """A projector fed by a MeshRuntime's ObjectStore and MeshModel."""
         skipped: dict[str, str] = {}

@@ -281,13 +281,12 @@ class _Watch:
         """The event type this watch gets (None: nothing). As the real server does, a
         change that makes an object start matching the selectors arrives as ADDED, one
         that makes it stop matching as DELETED."""
-        if ev.resource != self.resource or not (self.namespace is None
-                                                or ev.namespace == self.namespace):
+        if ev.resource != self.resource:
             return None
-        now = _matches(ev.obj, self.labels, self.fields)
+        now = self.wants(ev.namespace, ev.obj)
         if ev.type != "MODIFIED" or ev.old is None:
             return ev.type if now else None
-        before = _matches(ev.old, self.labels, self.fields)
+        before = self.wants(ev.namespace, ev.old)
         if now:
             return "MODIFIED" if before else "ADDED"
         return "DELETED" if before else None
