@@ -149,10 +149,10 @@ def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
     results = d.get("results", [])
     target = d.get("targets", {})
     mode_of = [r.get("remote_pods", "pods") for r in results]
-    main = [r for r, m in zip(results, mode_of, strict=True) if m == "meshpods"] or results
+    headline = [r for r, m in zip(results, mode_of, strict=True) if m == "meshpods"] or results
     pods_mode = {r["pods"]: r for r, m in zip(results, mode_of, strict=True) if m == "pods"}
-    for r in main:
-        big = r is main[-1] and target.get("checked")
+    for r in headline:
+        big = r is headline[-1] and target.get("checked")
         base = pods_mode.get(r["pods"]) if r.get("remote_pods") == "meshpods" else None
         cpu = f"agent CPU {r['agent_cpu_s']:.0f} s, API server CPU {r['api_cpu_s']:.0f} s"
         mode = f"--remote-pods {r.get('remote_pods', 'pods')}"

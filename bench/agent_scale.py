@@ -262,16 +262,16 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
               f"{r['agent_uss_mb']:>7.0f} | {r['envoy_rss_mb']:>12.0f} | "
               f"{ch['seconds'] * 1000:>8.0f} ms, agent CPU {ch['agent_cpu_s'] * 1000:>5.0f} ms")
     slope = None
-    main = [r for r in results if r["remote_pods"] == "meshpods"] or results
-    if len(main) >= 2:
-        lo, hi = main[0], main[-1]
+    headline = [r for r in results if r["remote_pods"] == "meshpods"] or results
+    if len(headline) >= 2:
+        lo, hi = headline[0], headline[-1]
         slope = (hi["agent_rss_mb"] - lo["agent_rss_mb"]) / ((hi["pods"] - lo["pods"]) / 10_000)
         print(f"agent RSS growth: {slope:.1f} MB per 10k pods (between {lo['pods']} and "
               f"{hi['pods']})")
     print("  (ready = start → every kind in the model and a cluster per Service in Envoy; agent/API "
           "CPU = seconds each process used until then, on the same 2 CPUs: the test API server "
           "is Python and serializes every page, which a real API server does elsewhere)")
-    at = [r for r in main if r["pods"] >= TARGET_AT_PODS]
+    at = [r for r in headline if r["pods"] >= TARGET_AT_PODS]
     verdict: dict[str, Any] = {"checked": bool(at)}
     if at:
         r = at[-1]
