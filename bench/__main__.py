@@ -29,6 +29,8 @@ BENCHES: dict[str, dict[str, list[str]]] = {
     "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
     "h2_balance": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
     "traffic_metrics": {"full": ["--rounds", "4", "--duration", "8"], "quick": ["--quick"]},
+    "sidecar_path": {"full": ["--rounds", "3", "--duration", "8", "--pods", "20"],
+                     "quick": ["--quick"]},
 }
 
 
@@ -237,9 +239,42 @@ def rows_traffic_metrics(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+SIDECAR_LABELS = {"keepalive": "L4 keep-alive -c32", "latency": "one request in flight -c1",
+                  "newconn": "new connection per request", "routed": "HTTP through the route -c32"}
+
+
+def rows_sidecar_path(d: dict[str, Any]) -> list[Row]:
+    """Node-shared against the same Envoy as a sidecar in the client pod: the peer's shape."""
+    out: list[Row] = []
+    for shape, label in SIDECAR_LABELS.items():
+        s = d["shapes"].get(shape)
+        if not s or "node_over_sidecar" not in s:
+            continue
+        m = s["modes"]
+        ns, sd = s["node_over_sidecar"], s["sidecar_over_direct"]
+        if shape == "latency":
+            add = s["p50_added_ms_median"]
+            out.append(("sidecar_path", f"node-shared vs sidecar: {label}, p50 added",
+                        f"{add['node'] * 1000:+.0f} µs", f"sidecar {add['sidecar'] * 1000:+.0f} µs",
+                        "-", "-"))
+            continue
+        out.append(("sidecar_path", f"node-shared vs sidecar: {label}, req/s",
+                    f"{m['node']['rps_median']:.0f}",
+                    f"sidecar {m['sidecar']['rps_median']:.0f} ({sd['median']:.2f}× direct "
+                    f"{m['direct']['rps_median']:.0f})",
+                    f"{ns['median']:.2f}× (spread {ns['spread'][0]:.2f}–{ns['spread'][1]:.2f})",
+                    "-"))
+    mem = d["memory"]
+    out.append(("sidecar_path", "Envoy memory per pod: node-shared (growth) vs a sidecar",
+                f"{mem['node_kb_per_pod']:.0f} KB", f"sidecar {mem['sidecar_rss_mb']:.0f} MB",
+                f"{mem['node_kb_per_pod'] / (mem['sidecar_rss_mb'] * 1e3):.4f}×", "-"))
+    return out
+
+
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
-        "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics}
+        "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics,
+        "sidecar_path": rows_sidecar_path}
 
 
 def machine() -> str:
