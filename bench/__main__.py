@@ -240,7 +240,8 @@ def rows_traffic_metrics(d: dict[str, Any]) -> list[Row]:
 
 
 SIDECAR_LABELS = {"keepalive": "L4 keep-alive -c32", "latency": "one request in flight -c1",
-                  "newconn": "new connection per request", "routed": "HTTP through the route -c32"}
+                  "newconn": "new connection per request", "routed": "HTTP through the route -c32",
+                  "grpc": "gRPC unary through a GRPCRoute, 4 conn × 8 streams"}
 
 
 def rows_sidecar_path(d: dict[str, Any]) -> list[Row]:

@@ -30,8 +30,29 @@ def envoy_version() -> str:
     return m.group(1) if m else "unknown"
 
 
-def _server_bootstrap(port: int, admin: str, body_bytes: int, codec: str = "HTTP1"
-                      ) -> dict[str, Any]:
+def grpc_message(payload_bytes: int) -> str:
+    """A gRPC length-prefixed message (uncompressed flag, 4-byte big-endian length) whose
+    payload is ``payload_bytes`` of filler: what a unary answer's DATA frame carries. Envoy
+    takes the body as UTF-8 text, so each length byte must be ASCII (1024 is)."""
+    if any(b >= 0x80 for b in payload_bytes.to_bytes(4, "big")):
+        raise ValueError(f"a {payload_bytes}-byte payload's length prefix is not ASCII")
+    return "\0" + payload_bytes.to_bytes(4, "big").decode("latin-1") + "x" * payload_bytes
+
+
+GRPC_ANSWER_HEADERS = {"content-type": "application/grpc", "grpc-status": "0"}
+
+
+def _server_bootstrap(port: int, admin: str, body_bytes: int, codec: str = "HTTP1",
+                      grpc: bool = False) -> dict[str, Any]:
+    """``grpc``: answer as a unary gRPC method does (a trailers-only status is not used:
+    the status rides in the headers, which gRPC clients and h2load accept)."""
+    answer: dict[str, Any] = {"match": {"prefix": "/"}, "direct_response": {
+        "status": 200,
+        "body": {"inline_string": grpc_message(body_bytes) if grpc else "x" * body_bytes}}}
+    if grpc:
+        answer["response_headers_to_add"] = [
+            {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for k, v in GRPC_ANSWER_HEADERS.items()]
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
                  ".v3.HttpConnectionManager",
@@ -39,9 +60,7 @@ def _server_bootstrap(port: int, admin: str, body_bytes: int, codec: str = "HTTP
         "codec_type": codec,
         "route_config": {"virtual_hosts": [{
             "name": "all", "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"},
-                        "direct_response": {"status": 200,
-                                            "body": {"inline_string": "x" * body_bytes}}}],
+            "routes": [answer],
         }]},
         "http_filters": [{
             "name": "envoy.filters.http.router",
@@ -65,7 +84,7 @@ class ServerEnvoy:
 
     def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1,
                  port: int | None = None, netns_name: str | None = None,
-                 codec: str = "HTTP1", name: str = "server-envoy") -> None:
+                 codec: str = "HTTP1", name: str = "server-envoy", grpc: bool = False) -> None:
         self.port = port or free_port()
         # inside a pod's netns instead of the host's (a mesh pod's server)
         self.prefix = ["ip", "netns", "exec", netns_name] if netns_name else []
@@ -73,13 +92,15 @@ class ServerEnvoy:
         self.body_bytes = body_bytes
         self.workers = workers
         self.codec = codec  # "AUTO" also serves h2c prior knowledge
+        self.grpc = grpc
         self.config = os.path.join(workdir, f"{name}.json")
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ServerEnvoy:
         with open(self.config, "w") as f:
-            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes, self.codec), f)
+            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes, self.codec,
+                                        self.grpc), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [*self.prefix, find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),

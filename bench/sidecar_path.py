@@ -17,10 +17,12 @@ Three client pods on one bridge reach the same static 1 KiB Envoy server:
   (a real sidecar holds the mesh's Services too).
 
 Shapes: L4 keep-alive (`wrk -c32` to the server's address), one request in flight (`-c1`),
-a new connection per request, and HTTP through the GAMMA route (`-c32` to the Service
-ClusterIP; direct dials the server). The three modes rotate their order every round; ratios
-are taken within a round against direct, the median over rounds is the figure. Memory: the
-node Envoy's RSS growth per captured pod (``--pods`` extra pods ADDed, after the traffic)
+a new connection per request, HTTP through the GAMMA route (`-c32` to the Service
+ClusterIP; direct dials the server), and gRPC unary through a GRPCRoute (`h2load`, 4
+connections × 8 streams, to a Service with appProtocol `grpc` whose endpoint is an h2c server
+answering as a unary method does; direct dials that server). The three modes rotate their
+order every round; ratios are taken within a round against direct, the median over rounds
+is the figure. Memory: the node Envoy's RSS growth per captured pod (``--pods`` extra pods ADDed, after the traffic)
 against the sidecar's whole RSS, which every pod would pay.
 
 No target: this benchmark is the comparison the issue asks to show, not a gate. Root only.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -44,7 +47,7 @@ from typing import Any
 from agent.envoy.supervisor import admin_request, find_envoy_binary
 from agent.netns.pin import release_mounts_under
 from bench.common import Pod, dumps, machine_info, progress
-from bench.envoy_common import ServerEnvoy, WrkResult, envoy_version, run_wrk
+from bench.envoy_common import ServerEnvoy, WrkResult, envoy_version, grpc_message, run_wrk
 from bench.envoy_path import (
     BODY_BYTES,
     EXCLUDE_ANNOTATION,
@@ -62,7 +65,13 @@ from bench.envoy_path import (
 )
 
 MODES = ("direct", "node", "sidecar")
-SHAPES = ("keepalive", "latency", "newconn", "routed")
+SHAPES = ("keepalive", "latency", "newconn", "routed", "grpc")
+# the gRPC shape: a Service (appProtocol grpc) with a GRPCRoute on its method, its endpoint
+# an h2c server answering like a unary method; h2load keeps GRPC_CONNS × GRPC_STREAMS in flight
+GRPC = "routed-grpc"
+GRPC_IP, GRPC_PORT = "10.96.250.11", 50051
+GRPC_PATH = "/bench.Echo/Unary"
+GRPC_CONNS, GRPC_STREAMS = 4, 8
 SIDECAR_PORT = 15001
 SIDECAR_MARK = 0xAE
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
@@ -80,21 +89,50 @@ def sidecar_nft() -> str:
             f"  meta l4proto tcp redirect to :{SIDECAR_PORT}\n }}\n}}\n")
 
 
-def sidecar_bootstrap(admin: str, server_ip: str, server_port: int) -> dict[str, Any]:
-    """A lean sidecar Envoy: the routed Service on its own HTTP chain, everything else
-    passthrough (pure)."""
-    hcm = {
+def _hcm(name: str, cluster: str) -> dict[str, Any]:
+    return {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
                  ".v3.HttpConnectionManager",
-        "stat_prefix": "sidecar_routed", "generate_request_id": False,
-        "route_config": {"name": ROUTED, "virtual_hosts": [{
-            "name": ROUTED, "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"},
-                        "route": {"cluster": ROUTED, "timeout": "0s"}}]}]},
+        "stat_prefix": f"sidecar_{name}", "generate_request_id": False,
+        "route_config": {"name": name, "virtual_hosts": [{
+            "name": name, "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}]}]},
         "http_filters": [_ROUTER],
     }
+
+
+def sidecar_bootstrap(admin: str, server_ip: str, server_port: int,
+                      grpc_port: int | None = None) -> dict[str, Any]:
+    """A lean sidecar Envoy: the routed Service (and the gRPC one) on their own HTTP chains,
+    everything else passthrough (pure)."""
     bind = {"source_address": {"address": "0.0.0.0", "port_value": 0},
             "socket_options": [_MARK_OPT]}
+
+    def chain(name: str, ip: str, port: int) -> dict[str, Any]:
+        return {"name": name,
+                "filter_chain_match": {"prefix_ranges": [{"address_prefix": ip, "prefix_len": 32}],
+                                       "destination_port": port},
+                "filters": [{"name": "envoy.filters.network.http_connection_manager",
+                             "typed_config": _hcm(name, name)}]}
+
+    def static(name: str, port: int) -> dict[str, Any]:
+        return {"name": name, "type": "STATIC", "connect_timeout": "5s",
+                "upstream_bind_config": bind,
+                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{
+                    "endpoint": {"address": {"socket_address": {
+                        "address": server_ip, "port_value": port}}}}]}]}}
+
+    chains = [chain(ROUTED, ROUTED_IP, ROUTED_PORT)]
+    clusters = [static(ROUTED, server_port)]
+    if grpc_port is not None:
+        chains.append(chain(GRPC, GRPC_IP, GRPC_PORT))
+        h2 = static(GRPC, grpc_port)
+        h2["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3"
+                         ".HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}}
+        clusters.append(h2)
     return {
         "admin": {"address": {"pipe": {"path": admin, "mode": 0o600}}},
         "static_resources": {
@@ -106,13 +144,7 @@ def sidecar_bootstrap(admin: str, server_ip: str, server_port: int) -> dict[str,
                     "name": "envoy.filters.listener.original_dst",
                     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters"
                                               ".listener.original_dst.v3.OriginalDst"}}],
-                "filter_chains": [{
-                    "name": "routed",
-                    "filter_chain_match": {
-                        "prefix_ranges": [{"address_prefix": ROUTED_IP, "prefix_len": 32}],
-                        "destination_port": ROUTED_PORT},
-                    "filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                 "typed_config": hcm}]}],
+                "filter_chains": chains,
                 "default_filter_chain": {
                     "name": "passthrough",
                     "filters": [{"name": "envoy.filters.network.tcp_proxy", "typed_config": {
@@ -123,11 +155,7 @@ def sidecar_bootstrap(admin: str, server_ip: str, server_port: int) -> dict[str,
             "clusters": [
                 {"name": "passthrough", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
                  "connect_timeout": "5s", "upstream_bind_config": bind},
-                {"name": ROUTED, "type": "STATIC", "connect_timeout": "5s",
-                 "upstream_bind_config": bind,
-                 "load_assignment": {"cluster_name": ROUTED, "endpoints": [{"lb_endpoints": [{
-                     "endpoint": {"address": {"socket_address": {
-                         "address": server_ip, "port_value": server_port}}}}]}]}},
+                *clusters,
             ],
         },
     }
@@ -144,9 +172,10 @@ class Sidecar:
         self.log_path = os.path.join(workdir, "sidecar.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, server_ip: str, server_port: int, timeout: float = 30.0) -> None:
+    def start(self, server_ip: str, server_port: int, grpc_port: int,
+              timeout: float = 30.0) -> None:
         with open(self.config, "w") as f:
-            json.dump(sidecar_bootstrap(self.admin, server_ip, server_port), f)
+            json.dump(sidecar_bootstrap(self.admin, server_ip, server_port, grpc_port), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", self.pod.netns_name, find_envoy_binary(), "-c", self.config,
@@ -199,10 +228,77 @@ class Run:
     proxied: int  # connections (L4) or requests (routed) the proxy counted
 
 
-def _url(shape: str, mode: str, gw: str, port: int) -> str:
+def _url(shape: str, mode: str, gw: str, port: int, grpc_port: int = 0) -> str:
+    if shape == "grpc":
+        return (f"http://{GRPC_IP}:{GRPC_PORT}" if mode != "direct"
+                else f"http://{gw}:{grpc_port}") + GRPC_PATH
     if shape == "routed" and mode != "direct":
         return f"http://{ROUTED_IP}:{ROUTED_PORT}/"
     return f"http://{gw}:{port}/"
+
+
+def grpc_manifest(server_ip: str, server_port: int) -> list[dict[str, Any]]:
+    """Service ``routed-grpc`` (appProtocol grpc) with a GRPCRoute matching the benchmark's
+    method, its one endpoint the gRPC server on the host's bridge address."""
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": GRPC, "namespace": "bench"},
+         "spec": {"clusterIP": GRPC_IP, "clusterIPs": [GRPC_IP], "selector": {"app": GRPC},
+                  "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": server_port,
+                             "appProtocol": "grpc"}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GRPCRoute",
+         "metadata": {"name": GRPC, "namespace": "bench",
+                      "creationTimestamp": "2026-01-01T00:00:00Z"},
+         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": GRPC,
+                                  "port": GRPC_PORT}],
+                  "rules": [{"matches": [{"method": {"service": "bench.Echo",
+                                                     "method": "Unary"}}],
+                             "backendRefs": [{"name": GRPC, "port": GRPC_PORT}]}]}},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": "grpc-server", "namespace": "bench", "uid": "u-grpc-server",
+                      "labels": {"app": GRPC}},
+         "spec": {"nodeName": "server-node", "serviceAccountName": "default"},
+         "status": {"phase": "Running", "podIP": server_ip, "podIPs": [{"ip": server_ip}],
+                    "conditions": [{"type": "Ready", "status": "True"}]}},
+    ]
+
+
+def _pct(sorted_us: list[int], q: float) -> float:
+    return sorted_us[min(len(sorted_us) - 1, int(q * len(sorted_us)))] / 1000.0 \
+        if sorted_us else float("nan")
+
+
+def parse_h2load(out: str, log_lines: list[str]) -> WrkResult:
+    """h2load's summary plus its per-request log (start µs, status, µs to the end of the
+    response) → the same figures wrk gives (pure)."""
+    rps = re.search(r"finished in [\d.]+\w*, ([\d.]+) req/s", out)
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, "
+                     r"(\d+) failed, (\d+) errored", out)
+    if rps is None or done is None:
+        raise ValueError(f"unexpected h2load output:\n{out[-1500:]}")
+    times = sorted(int(f[2]) for f in (ln.split("\t") for ln in log_lines) if len(f) >= 3)
+    non_2xx = sum(1 for ln in log_lines if ln.split("\t")[1:2] not in (["200"], []))
+    return WrkResult(int(done.group(1)), float(rps.group(1)), _pct(times, 0.5),
+                     _pct(times, 0.75), _pct(times, 0.9), _pct(times, 0.99),
+                     int(done.group(3)) + int(done.group(4)), non_2xx, out)
+
+
+def run_grpc(workdir: str, netns: str, url: str, duration: float) -> WrkResult:
+    """Unary gRPC calls with h2load (h2c prior knowledge): GRPC_CONNS connections ×
+    GRPC_STREAMS concurrent streams, each a POST of one length-prefixed message."""
+    body = os.path.join(workdir, "grpc-request.bin")
+    with open(body, "w", encoding="latin-1") as f:
+        f.write(grpc_message(64))
+    log = os.path.join(workdir, "h2load.log")
+    argv = ["ip", "netns", "exec", netns, "h2load", "-c", str(GRPC_CONNS), "-t", "1",
+            "-m", str(GRPC_STREAMS), "-D", f"{max(1, round(duration))}", "-d", body,
+            "-H", "content-type: application/grpc", "-H", "te: trailers",
+            f"--log-file={log}", url]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"h2load failed ({r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
+    with open(log) as f:
+        lines = f.read().splitlines()
+    return parse_h2load(r.stdout + r.stderr, lines)
 
 
 def order(rounds: int) -> list[list[str]]:
@@ -257,10 +353,14 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 
 
 def measure(shape: str, mode: str, pod: Pod, url: str, duration: float, proxy_pid: int | None,
-            proxied: Any) -> Run:
+            proxied: Any, workdir: str) -> Run:
     threads, conns = (1, 1) if shape == "latency" else (WRK_THREADS, WRK_CONNECTIONS)
     c0, n0 = _proc_cpu(proxy_pid), proxied()
-    w = run_wrk(pod.netns_name, url, duration, threads, conns, new_connection=shape == "newconn")
+    if shape == "grpc":
+        w = run_grpc(workdir, pod.netns_name, url, duration)
+    else:
+        w = run_wrk(pod.netns_name, url, duration, threads, conns,
+                    new_connection=shape == "newconn")
     c1, n1 = _proc_cpu(proxy_pid), proxied()
     if w.socket_errors or w.non_2xx:
         progress(f"  warning: {shape} {mode}: {w.socket_errors} socket errors, "
@@ -272,7 +372,8 @@ def measure(shape: str, mode: str, pod: Pod, url: str, duration: float, proxy_pi
 def print_report(summary: dict[str, Any], mem: dict[str, float]) -> None:
     labels = {"keepalive": "L4 keep-alive -c32", "latency": "one request in flight -c1",
               "newconn": "new connection per request -c32",
-              "routed": "HTTP through the route, keep-alive -c32"}
+              "routed": "HTTP through the route, keep-alive -c32",
+              "grpc": f"gRPC unary via GRPCRoute, {GRPC_CONNS}×{GRPC_STREAMS} streams"}
     head = (f"{'shape':<40} | {'mode':<8} | {'req/s':>8} | {'p50 ms':>7} {'p99 ms':>7} | "
             f"{'proxy µs/req':>12} | {'errors':>6}")
     print()
@@ -311,26 +412,30 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds, --duration and --pods must be ≥ 1")
     if os.geteuid() != 0:
         ap.error("needs root (netns, bridge, nftables)")
-    if not shutil.which("wrk"):
-        ap.error("wrk not found (apt-get install wrk)")
+    for tool, pkg in (("wrk", "wrk"), ("h2load", "nghttp2-client")):
+        if not shutil.which(tool):
+            ap.error(f"{tool} not found (apt-get install {pkg})")
     signal.signal(signal.SIGTERM, _sigterm)
     t0 = time.monotonic()
     root = tempfile.mkdtemp(prefix="aether-bench-sidecar-")
     node = Phase(root, "node", envoy=True, net=217, pods=args.pods, levels=[1])
-    cap = node.extra_pod("wrk-node", {"aether.io/dependencies": ROUTED})
+    cap = node.extra_pod("wrk-node", {"aether.io/dependencies": f"{ROUTED},{GRPC}"})
     direct = node.extra_pod("wrk-direct", {EXCLUDE_ANNOTATION: f"{node.gw4}/32"})
     side_pod = node.kubelet.new_pod("bench", "wrk-sidecar")  # never ADDed to aether
     server = ServerEnvoy(root, BODY_BYTES)
+    grpc_server = ServerEnvoy(root, BODY_BYTES, codec="AUTO", name="grpc-server", grpc=True)
     sidecar = Sidecar(root, side_pod)
-    node.agent.write("bench-routed.yaml", routed_manifest(node.gw4, server.port))
+    node.agent.write("bench-routed.yaml", routed_manifest(node.gw4, server.port)
+                     + grpc_manifest(node.gw4, grpc_server.port))
     ok = False
     try:
         node.start()
         server.start()
+        grpc_server.start()
         node.add_untimed(cap)
         node.add_untimed(direct)
         node.prepare([side_pod])
-        sidecar.start(node.gw4, server.port)
+        sidecar.start(node.gw4, server.port, grpc_server.port)
         pods = {"direct": direct, "node": cap, "sidecar": side_pod}
         for pod in pods.values():
             _client_sysctls(pod)
@@ -346,6 +451,16 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError("the routed Service never answered through the node Envoy")
             time.sleep(0.5)
+        while True:  # and the gRPC one, through its GRPCRoute
+            try:
+                g = run_grpc(root, cap.netns_name, _url("grpc", "node", node.gw4, 0), 1)
+                if g.requests and not g.non_2xx and not g.socket_errors:
+                    break
+            except (RuntimeError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gRPC Service never answered through the node Envoy")
+            time.sleep(0.5)
         for mode, pod in pods.items():
             run_wrk(pod.netns_name, _url("routed", mode, node.gw4, server.port), 1,
                     WRK_THREADS, WRK_CONNECTIONS)
@@ -356,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                                               ".upstream_rq_total"),
             ("sidecar", False): lambda: sidecar.stat("cluster.passthrough.upstream_cx_total"),
             ("sidecar", True): lambda: sidecar.stat(f"cluster.{ROUTED}.upstream_rq_total"),
+            ("node", "grpc"): lambda: node.stat(f"cluster.svc|bench|{GRPC}|{GRPC_PORT}"
+                                                ".upstream_rq_total"),
+            ("sidecar", "grpc"): lambda: sidecar.stat(f"cluster.{GRPC}.upstream_rq_total"),
         }
         runs: list[Run] = []
         plan = order(args.rounds)
@@ -365,14 +483,18 @@ def main(argv: list[str] | None = None) -> int:
                     progress(f"[data] {shape} {mode} (round {r}/{args.rounds}, "
                              f"{args.duration:g} s) …")
                     pid = {"node": node_pid, "sidecar": sidecar.pid()}.get(mode)
-                    count = counters.get((mode, shape == "routed"), lambda: 0)
+                    key: tuple[str, Any] = (mode, "grpc" if shape == "grpc"
+                                            else shape == "routed")
+                    count = counters.get(key, lambda: 0)
                     runs.append(measure(shape, mode, pods[mode],
-                                        _url(shape, mode, node.gw4, server.port),
-                                        args.duration, pid, count))
+                                        _url(shape, mode, node.gw4, server.port,
+                                             grpc_server.port),
+                                        args.duration, pid, count, root))
         # every proxied run went through its proxy, every direct one around both
         bad = [(r.shape, r.mode, r.proxied, r.wrk.requests) for r in runs
                if (r.mode != "direct") != (r.proxied > 0)
-               or (r.shape == "routed" and r.mode != "direct" and r.proxied < r.wrk.requests)]
+               or (r.shape in ("routed", "grpc") and r.mode != "direct"
+                   and r.proxied < r.wrk.requests)]
         if bad:
             raise RuntimeError(f"capture check failed (shape, mode, proxied, requests): {bad}")
         if node.envoy_pid() != node_pid:
@@ -408,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - keep tearing down the rest
                 progress(f"[node] cleanup error: {e}")
             server.stop()
+            grpc_server.stop()
             _reap_leftovers(root)
         if ok:
             release_mounts_under(root)

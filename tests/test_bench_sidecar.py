@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from bench.__main__ import rows_sidecar_path
-from bench.envoy_common import WrkResult
+from bench.envoy_common import WrkResult, grpc_message
 from bench.sidecar_path import (
     MODES,
     SIDECAR_MARK,
     SIDECAR_PORT,
     Run,
     order,
+    parse_h2load,
     sidecar_bootstrap,
     sidecar_nft,
     summarize,
@@ -56,3 +57,19 @@ def test_the_sidecar_returns_its_own_marked_upstreams_and_loopback_before_redire
     assert listener["address"]["socket_address"]["port_value"] == SIDECAR_PORT
     assert listener["default_filter_chain"]["filters"][0]["typed_config"]["cluster"] == \
         "passthrough"
+
+
+def test_h2load_summary_and_its_request_log_give_wrk_figures() -> None:
+    out = ("finished in 2.00s, 1500.50 req/s, 1.2MB/s\n"
+           "requests: 3001 total, 3001 started, 3001 done, 2999 succeeded, 2 failed, 0 errored, "
+           "0 timeout\n")
+    log = [f"1700000000{i:06d}\t{200 if i < 98 else 503}\t{(i + 1) * 10}" for i in range(100)]
+    w = parse_h2load(out, log)
+    assert (w.requests, w.rps, w.socket_errors, w.non_2xx) == (3001, 1500.5, 2, 2)
+    assert w.p50_ms == 0.51 and w.p99_ms == 1.0
+
+
+def test_a_grpc_message_is_length_prefixed() -> None:
+    msg = grpc_message(1024)
+    assert msg[0] == "\0" and msg[1:5].encode("latin-1") == (1024).to_bytes(4, "big")
+    assert len(msg) == 5 + 1024
