@@ -22,8 +22,8 @@ ClusterIP; direct dials the server), and gRPC unary through a GRPCRoute (`h2load
 connections × 8 streams, to a Service with appProtocol `grpc` whose endpoint is an h2c server
 answering as a unary method does; direct dials that server). The three modes rotate their
 order every round; ratios are taken within a round against direct, the median over rounds
-is the figure. Memory: the node Envoy's RSS growth per captured pod (``--pods`` extra pods ADDed, after the traffic)
-against the sidecar's whole RSS, which every pod would pay.
+is the figure. Memory: the node Envoy's RSS growth per captured pod (``--pods`` extra pods
+ADDed, after the traffic) against the sidecar's whole RSS, which every pod would pay.
 
 No target: this benchmark is the comparison the issue asks to show, not a gate. Root only.
 """
