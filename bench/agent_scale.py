@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with both, each size runs both, alternating which goes first")
     ap.add_argument("--quick", action="store_true", help="CI smoke: --pods 5000 --services 500")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--keep-workdir", action="store_true",
+                    help="leave the agents' logs (timelines) and the API server's behind")
     a = ap.parse_args(argv)
     if a.quick:
         a.pods, a.services = "5000", 500
@@ -324,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ok:
             release_mounts_under(root)  # the agents' shared <run-dir>/netns mounts
-            shutil.rmtree(root, ignore_errors=True)
+            if not a.keep_workdir:
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                progress(f"workdir kept: {root}")
         else:
             progress(f"workdir kept: {root}")
     return 0

@@ -54,3 +54,31 @@ def test_rendered_ruleset_always_loads(scratch_netns: str, ports: list[str], cid
             assert 1 <= int(lo) <= 65535 and (not hi or int(lo) <= int(hi) <= 65535)
     fp = nft.apply_ruleset(scratch_netns, render_ruleset(d.policy))
     assert fp == nft.live_fingerprint(scratch_netns)
+
+
+def test_a_created_tables_fingerprint_is_reused_only_where_it_is_true() -> None:
+    """The second fresh netns given the same plain `create` skips the read-back; what it
+    returns is what the kernel there holds. A replace (the table existed) is read back."""
+    from agent.capture.rules import render_create
+
+    d = decide(PodMeta("app", "p", annotations={ANN_EXCLUDE_PORTS: "7011"}),
+               NamespaceMeta("app", labels={"aether.io/managed": "true"}), NodeConfig(), True)
+    assert d.policy is not None
+    create, full = render_create(d.policy), render_ruleset(d.policy)
+    names = [f"aet-fp-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    for n in names:
+        subprocess.run(["ip", "netns", "add", n], check=True)
+    try:
+        first, second = (f"/var/run/netns/{n}" for n in names)
+        fp1 = nft.apply_ruleset(first, full, first=create)
+        assert nft.created_fingerprints.get(create) == fp1
+        fp2 = nft.apply_ruleset(second, full, first=create)  # from the cache
+        assert fp2 == fp1 == nft.live_fingerprint(second)
+        # someone changed the table in the first netns: a re-apply replaces and reads back
+        subprocess.run(["ip", "netns", "exec", names[0], "nft", "add rule inet aether output "
+                        "tcp dport 9 return"], check=True)
+        assert nft.live_fingerprint(first) != fp1
+        assert nft.apply_ruleset(first, full, first=create) == fp1 == nft.live_fingerprint(first)
+    finally:
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], check=False)

@@ -311,3 +311,22 @@ def test_the_test_server_checks_delete_preconditions(server: FakeApiServer,
     custom.delete_namespaced_custom_object(
         *args, body={"preconditions": {"uid": live["metadata"]["uid"]}})
     assert stored_records(server) == {}
+
+
+def test_a_delete_leaves_its_connection_clean_for_the_next_call(server: FakeApiServer,
+                                                               api: client.ApiClient) -> None:
+    """One pooled connection, no retries: a delete whose answer went back to the pool unread
+    made the next call on that connection read the deleted object as its status line."""
+    import urllib3
+
+    from agent.meshpods.publisher import _MeshPodApi
+
+    api.configuration.retries = urllib3.Retry(total=0)
+    api.rest_client.pool_manager = urllib3.PoolManager(maxsize=1, block=True,
+                                                       retries=urllib3.Retry(total=0))
+    raw = _MeshPodApi(api, timeout=5.0)
+    for name in ("a", "b", "c"):
+        live = server.put_object(record.record_of(slim_pod(pod(name, ("10.0.0.9",))), NODE))
+        raw.delete("apps", name, live["metadata"]["uid"])
+        assert f"apps/{name}" not in stored_records(server)
+    assert raw.list_owned(record.owned_selector(NODE)) == []

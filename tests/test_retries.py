@@ -38,6 +38,8 @@ class FakeCore:
         self.patches.append(body)
 
         class Resp:
+            data = b"{}"
+
             def release_conn(self) -> None:
                 return None
         return Resp()

@@ -45,3 +45,23 @@ def api_client(kubeconfig: str | None = None, *, context: str | None = None,
     cfg.retries = (urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0) if streaming
                    else urllib3.Retry(total=1))
     return client.ApiClient(cfg)
+
+
+def done(resp: Any) -> None:
+    """Hand a raw (``_preload_content=False``) answer's connection back to the pool — read
+    to its end first. ``release_conn()`` alone pools the connection with the unread body
+    still in it, and the next request on that connection reads it as its status line
+    (``BadStatusLine('{"apiVersion": …')``): a failed call, or one silent retry spent."""
+    try:
+        resp.data  # noqa: B018 - reading it is the point (cached once read)
+    finally:
+        resp.release_conn()
+
+
+def abandon(resp: Any) -> None:
+    """Stop reading a stream (a watch) before its end: the connection is closed, never
+    pooled with the rest of the stream in it."""
+    try:
+        resp.close()
+    finally:
+        resp.release_conn()

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from kubernetes import client
 
+from agent.kube import done
 from agent.kube.owned import Desired, ObjectSource, OwnedLoop, OwnedWriter, RawApi, raw_json
 from agent.meshpods.record import GROUP, JSON, PLURAL, VERSION, desired_records, owned_selector
 
@@ -47,8 +48,8 @@ class _MeshPodApi(RawApi):
             GROUP, VERSION, ns, PLURAL, name, body, **self.opts()))
 
     def delete(self, ns: str, name: str, uid: str) -> None:
-        self.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, name, body=self.only(uid), **self.opts()).release_conn()
+        done(self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, name, body=self.only(uid), **self.opts()))
 
 
 class MeshPodWriter(OwnedWriter):

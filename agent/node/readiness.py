@@ -22,6 +22,7 @@ from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attemp
 
 from agent.install import conflist as cl
 from agent.install.installer import read_configs
+from agent.kube import done
 
 log = logging.getLogger("aether.node")
 
@@ -86,7 +87,7 @@ class NodeReadiness:
         resp: Any = self.core.patch_node(
             self.node_name, body, _content_type="application/merge-patch+json",
             _preload_content=False, _request_timeout=(self.timeout, self.timeout))
-        resp.release_conn()
+        done(resp)
         log.info("node %s: taint %s %s", self.node_name, TAINT_KEY, "added" if want else "removed")
         return True
 

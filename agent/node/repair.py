@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.capture.policy import decide
 from agent.config import NodeConfig
+from agent.kube import done
 from agent.source.base import PodEvent
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 
@@ -173,7 +174,7 @@ class RepairLoop:
             resp: Any = self.core.create_namespaced_pod_eviction(
                 pod.name, pod.namespace, body,  # type: ignore[arg-type]  # plain dict is sent
                 _preload_content=False, _request_timeout=(self.timeout, self.timeout))
-            resp.release_conn()
+            done(resp)
             return "evicted"
         except ApiException as e:
             if e.status == 429:
@@ -185,7 +186,7 @@ class RepairLoop:
                 pod.name, pod.namespace,
                 body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=pod.uid)),
                 _preload_content=False, _request_timeout=(self.timeout, self.timeout))
-            resp.release_conn()
+            done(resp)
         except ApiException as e:
             return "already gone" if e.status == 404 else f"delete failed: HTTP {e.status}"
         return "evicted"

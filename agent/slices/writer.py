@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from kubernetes import client
 
+from agent.kube import done
 from agent.kube.owned import (
     Desired,
     ObjectSource,
@@ -69,8 +70,8 @@ class _SliceApi(RawApi):
             name, ns, body, **self.opts()))
 
     def delete(self, ns: str, name: str, uid: str) -> None:
-        self.discovery.delete_namespaced_endpoint_slice(
-            name, ns, body=self.only(uid), **self.opts()).release_conn()
+        done(self.discovery.delete_namespaced_endpoint_slice(
+            name, ns, body=self.only(uid), **self.opts()))
 
 
 class SliceWriter(OwnedWriter):

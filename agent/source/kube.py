@@ -29,7 +29,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from agent.kube import KubeConfigError, api_client
+from agent.kube import KubeConfigError, api_client, done
 from agent.source.base import PodEvent, SourceError
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 
@@ -123,7 +123,7 @@ class KubeSource:
                 _preload_content=False,
                 _request_timeout=self._timeout(deadline - time.monotonic()),
             )
-            resp.release_conn()
+            done(resp)
 
         try:
             self._retrying(f"event {event.reason}", post, deadline, attempts=2)

@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from agent.backoff import backoff_delay
-from agent.kube import KubeConfigError, api_client
+from agent.kube import KubeConfigError, abandon, api_client, done
 from agent.meshpods.record import API_VERSION as MESHPOD_API_VERSION
 from agent.meshpods.record import KIND as MESHPOD_KIND
 from agent.meshpods.record import PLURAL, pod_of
@@ -267,7 +267,7 @@ class KubeWatcher:
             resp.release_conn()
             raise NotServed(f"HTTP 404 on {spec.path}")
         if resp.status == 410:
-            resp.release_conn()
+            done(resp)
             raise Gone("HTTP 410 Gone")
         if not 200 <= resp.status <= 299:
             rest.read()
@@ -343,7 +343,7 @@ class KubeWatcher:
             with self._open_lock:
                 self._open.pop(spec.kind, None)
             with contextlib.suppress(Exception):
-                resp.release_conn()
+                abandon(resp)  # a stream left mid-way must not be pooled
 
     def _handle(self, spec: KindSpec, st: KindStatus, ev: dict[str, Any]) -> None:
         etype, obj = ev.get("type"), ev.get("object") or {}
