@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from agent.capture.policy import AnnotationProblem, CapturePolicy
@@ -49,7 +49,10 @@ class CapturedPod:
         return f"{self.namespace}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        """As ``asdict`` gives it, without its recursive deep copy (the policy was converted
+        twice): every ADD writes one of these."""
+        d = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        d["ips"] = list(self.ips)
         d["policy"] = self.policy.to_json()
         d["problems"] = [asdict(p) for p in self.problems]
         return d
@@ -60,6 +63,9 @@ class CapturedPod:
         d["policy"] = CapturePolicy.from_json(d["policy"])
         d["problems"] = [AnnotationProblem(**p) for p in d.get("problems") or []]
         return cls(**d)
+
+
+_RECORD_FIELDS = tuple(f.name for f in fields(CapturedPod))
 
 
 @dataclass
@@ -234,7 +240,8 @@ class StateStore:
         fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, sort_keys=True)
+                # dumps, not dump: dump streams through the pure-Python encoder in chunks
+                f.write(json.dumps(data, sort_keys=True))
                 if sync:
                     f.flush()
                     os.fsync(f.fileno())

@@ -60,6 +60,21 @@ def test_state_roundtrip_and_atomic_file(tmp_path: Path) -> None:
     assert list(again.pods) == ["c1"] and again.pods["c1"] == _pod("c1")
 
 
+def test_a_record_serialises_exactly_as_asdict_did() -> None:
+    """to_json skips asdict's deep copy; the JSON on disk must not change for it."""
+    from dataclasses import asdict
+
+    pod = _pod("c1")
+    legacy = asdict(pod)
+    legacy["policy"] = pod.policy.to_json()
+    legacy["problems"] = [asdict(p) for p in pod.problems]
+    got = pod.to_json()
+    assert json.dumps(got, sort_keys=True) == json.dumps(legacy, sort_keys=True)
+    got["ips"].append("10.9.9.9")  # a copy, as asdict's was
+    assert pod.ips == ["10.0.0.1"]
+    assert CapturedPod.from_json(json.loads(json.dumps(pod.to_json()))) == pod
+
+
 def test_corrupt_record_reported_moved_aside_others_kept(tmp_path: Path) -> None:
     d = tmp_path / "pods"
     store = StateStore(str(d))

@@ -43,7 +43,8 @@ import ipaddress
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias
 
 from envoy.config.accesslog.v3 import accesslog_pb2
@@ -140,6 +141,12 @@ HTTP_FAILURE_LOG_FORMAT = (
 )
 
 
+def astuple_shallow(obj: Any) -> tuple[Any, ...]:
+    """A dataclass's field values in order, as its generated ``__eq__``/``__hash__`` see
+    them (``dataclasses.astuple`` would deep-copy)."""
+    return tuple(getattr(obj, f.name) for f in fields(obj))
+
+
 def namespace_listener_name(namespace: str) -> str:
     """``mesh-<ns>``: the internal listener (and its cluster) for callers in ``namespace``."""
     return f"{NAMESPACE_LISTENER_PREFIX}{namespace or DEFAULT_NAMESPACE}"
@@ -171,13 +178,22 @@ class PodListener:
         src = f"{self.namespace or DEFAULT_NAMESPACE}/{self.workload or self.uid}"
         return f"{src}/{self.source_pod}" if self.source_pod else src
 
-    @property
+    # Every publish walks every pod (build, hashes): what it asks of each is computed once
+    # per object (these are frozen), not once per pod per ADD.
+    @cached_property
     def identity(self) -> str:
         return identity_key(self.namespace or DEFAULT_NAMESPACE, self.service_account)
 
-    @property
+    @cached_property
     def listener_name(self) -> str:
         return f"{LISTENER_PREFIX}{self.uid}"
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(astuple_shallow(self))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def mesh_listener_name(self) -> str:
