@@ -1,7 +1,10 @@
 """The pure core stays pure: its modules import no I/O library, directly or through any
 agent module they import (anywhere in the file, lazy imports included).
 
-Pure: capture rules and policy, the mesh model (scope), the xDS resource builders, GAMMA
+Layers, top to bottom, each importing only its own and lower ones: the entry points (the
+CLI, the demo), the composition that wires the agent together (``agent.app``, the mesh
+runtime, uninstall), the edges (netns, nftables, Envoy, gRPC, the API, files), and the pure
+core. Pure: capture rules and policy, the mesh model (scope), the xDS resource builders, GAMMA
 conditions and ownership, the EndpointSlice projection, the conflist editor, the source's
 plain records, the node config. They are tested without root because nothing in them can
 reach a socket, a namespace, Envoy or the API; this test keeps it that way.
@@ -10,6 +13,7 @@ reach a socket, a namespace, Envoy or the API; this test keeps it that way.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -24,7 +28,11 @@ PURE = (
     "agent.scope", "agent.scope.deps", "agent.scope.route_tables", "agent.scope.model",
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
     "agent.meshpods.record", "agent.slices.project", "agent.source.model",
-)
+    "agent.envoy.golden", "agent.source.base", "agent.workload",
+) + tuple(  # every module of the pure packages, the ones added later included
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for pkg in ("capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))
+    if p.name != "__init__.py")
 IO = frozenset({"kubernetes", "grpc", "nftables", "psutil", "pyroute2", "urllib3", "subprocess",
                 "socket", "ctypes", "fcntl", "select", "signal", "multiprocessing", "shutil",
                 "http", "urllib", "tenacity", "typer"})
@@ -128,3 +136,56 @@ def test_every_declared_dependency_is_imported_by_product_code() -> None:
     missing = [d for d, mod in _DEPENDENCY_MODULES.items()
                if not any(n == mod or n.startswith(mod + ".") for n in imported)]
     assert missing == []
+
+
+# -- layers: every import points down ---------------------------------------------------------
+ENTRY = frozenset({"agent.cli", "agent.demo"})  # what a user, a DaemonSet or the demo runs
+COMPOSITION = frozenset({"agent.app", "agent.mesh", "agent.uninstall"})  # wires edges together
+
+
+def layer(module: str) -> int:
+    """3 entry, 2 composition, 1 edge, 0 pure core (an import-free package __init__ too)."""
+    if module in ENTRY:
+        return 3
+    if module in COMPOSITION:
+        return 2
+    if module in PURE or (module != "agent" and _path(module) is not None
+                          and _path(module).name == "__init__.py"  # type: ignore[union-attr]
+                          and not _imports(module)):
+        return 0
+    return 1
+
+
+def upward_imports(modules: list[str], imports_of: Callable[[str], frozenset[str]],
+                   layer_of: Callable[[str], int] = layer) -> list[str]:
+    """``a (Ln) -> b (Lm)`` for every agent import that points up a layer."""
+    out = []
+    for m in modules:
+        for name in sorted(imports_of(m)):
+            if name.split(".")[0] != "agent":
+                continue
+            target = name if _path(name) else name.rsplit(".", 1)[0]
+            if target != m and _path(target) and layer_of(target) > layer_of(m):
+                out.append(f"{m} (L{layer_of(m)}) -> {target} (L{layer_of(target)})")
+    return out
+
+
+def test_every_import_points_down_the_layers() -> None:
+    modules = [m for m in _product_modules() if not m.startswith("agent.testing")]
+    assert upward_imports(modules, _imports) == []
+    # the layers are real: the CLI sits on the app, the app on the edges, the edges on the core
+    assert layer("agent.cli") > layer("agent.app") > layer("agent.cni.handler") > layer(
+        "agent.capture.rules")
+
+
+def test_the_layer_check_fails_on_a_deliberate_upward_import() -> None:
+    def with_bad_import(module: str) -> frozenset[str]:
+        extra = {"agent.capture.rules": {"agent.app"}, "agent.cni.handler": {"agent.cli"},
+                 "agent.envoy.resources": {"agent.envoy.sink"}}
+        return _imports(module) | frozenset(extra.get(module, set()))
+
+    bad = upward_imports(["agent.capture.rules", "agent.cni.handler", "agent.envoy.resources"],
+                         with_bad_import)
+    assert bad == ["agent.capture.rules (L0) -> agent.app (L2)",
+                   "agent.cni.handler (L1) -> agent.cli (L3)",
+                   "agent.envoy.resources (L0) -> agent.envoy.sink (L1)"]
