@@ -128,7 +128,7 @@ class Agent:
                        "interrupted")
         # ADDs a crash cut short before their record: undone (table, pin) before anything
         # else looks at netns; the ones with a record are completed by reconcile() below
-        recover_interrupted_adds(self.store, self.pin_dir, self._note)
+        recover_interrupted_adds(self.store, self.pin_dir, self._note, self.dataplane)
         live = [p for p in self.store.all() if os.path.exists(p.netns)]
         preload = getattr(self.sink, "preload", None)
         if callable(preload):

@@ -16,16 +16,17 @@ import logging
 import os
 from collections.abc import Callable
 
-from agent.netns import nft
-from agent.netns.enter import NetnsError, NetnsGone, host_netns_identities, netns_identity
-from agent.netns.pin import netns_state, unpin
+from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
+from agent.netns.enter import NetnsGone
 from agent.state import StateStore
 
 log = logging.getLogger("aether.recovery")
 
 
-def recover_interrupted_adds(store: StateStore, pin_dir: str, note: Callable[[str], None]) -> None:
+def recover_interrupted_adds(store: StateStore, pin_dir: str, note: Callable[[str], None],
+                             dataplane: CaptureDataplane | None = None) -> None:
     """Complete or undo every ADD a crash interrupted; `note` reports each action."""
+    dp = dataplane or NftDataplane()
     recorded = {p.container_id for p in store.all()}
     for intent in store.intents():
         cid = intent.container_id
@@ -36,7 +37,7 @@ def recover_interrupted_adds(store: StateStore, pin_dir: str, note: Callable[[st
         if not target:  # an unreadable intent: its pin, if any, is still found by its name
             target = os.path.join(pin_dir, cid)
             pinned = os.path.lexists(target)
-        done = undo(store, cid, target, pinned, intent.kubelet_netns, note)
+        done = undo(store, cid, target, pinned, intent.kubelet_netns, note, dp)
         if done:
             store.end_add(cid)
     pinned_paths = {os.path.realpath(p.netns) for p in store.all() if p.pinned}
@@ -47,35 +48,36 @@ def recover_interrupted_adds(store: StateStore, pin_dir: str, note: Callable[[st
     for name in names:
         path = os.path.join(pin_dir, name)
         if os.path.realpath(path) not in pinned_paths:  # a pin no record accounts for
-            undo(store, name, path, True, "", note)
+            undo(store, name, path, True, "", note, dp)
 
 
 def undo(store: StateStore, cid: str, target: str, pinned: bool, kubelet_netns: str,
-         note: Callable[[str], None]) -> bool:
+         note: Callable[[str], None], dataplane: CaptureDataplane | None = None) -> bool:
     """Drop the aether table an unrecorded ADD of `cid` put in `target` and remove its pin.
     True when nothing of that ADD is left."""
+    dp = dataplane or NftDataplane()
     what: list[str] = []
     ok = True
-    state = netns_state(target) if target else "missing"
+    state = dp.netns_state(target) if target else "missing"
     reach = target if state == "netns" else ""
-    if not reach and pinned and kubelet_netns and netns_state(kubelet_netns) == "netns":
+    if not reach and pinned and kubelet_netns and dp.netns_state(kubelet_netns) == "netns":
         reach = kubelet_netns  # the pin's mount is gone; the table may still be in the netns
     if reach:
-        why = _not_ours(store, reach)
+        why = _not_ours(store, reach, dp)
         if why:
             what.append(f"table in {reach} left alone ({why})")
         else:
             try:
-                if nft.delete_table(reach):
+                if dp.drop(reach):
                     what.append(f"table dropped in {reach}")
             except NetnsGone:
                 pass
-            except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+            except DATAPLANE_ERRORS as e:
                 what.append(f"dropping the table in {reach} failed: {e}")
                 ok = False
     if pinned and os.path.lexists(target):
         try:
-            unpin(target)
+            dp.unpin(target)
             what.append(f"pin {target} removed" + (" (no longer a namespace)"
                                                    if state == "stale" else ""))
         except OSError as e:
@@ -86,16 +88,16 @@ def undo(store: StateStore, cid: str, target: str, pinned: bool, kubelet_netns: 
     return ok
 
 
-def _not_ours(store: StateStore, netns: str) -> str:
+def _not_ours(store: StateStore, netns: str, dp: CaptureDataplane) -> str:
     """Why a table in `netns` must not be dropped ('' when it may): the node's own netns, or
     one a record owns."""
     try:
-        ident = netns_identity(netns)
+        ident = dp.identity(netns)
     except OSError as e:
         return f"cannot identify it: {e.strerror}"
-    if ident in host_netns_identities():
+    if ident in dp.host_identities():
         return "the node's own network namespace"
-    owner = store.netns_owner(ident, netns_identity)
+    owner = store.netns_owner(ident, dp.identity)
     if owner is not None:
         return f"captured for {owner.key} (container {owner.container_id})"
     return ""

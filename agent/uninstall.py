@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from agent.capture.rules import render_releasing
-from agent.netns import nft
-from agent.netns.enter import NetnsError, NetnsGone, host_netns_identities, netns_identity
-from agent.netns.pin import netns_state, unpin
+from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
+from agent.netns.enter import NetnsGone
 from agent.recovery import recover_interrupted_adds
 from agent.state import CapturedPod, StateStore
 
@@ -47,51 +46,54 @@ class Report:
                 "envoy_stopped": self.envoy_stopped, "ok": self.ok}
 
 
-def release_record(pod: CapturedPod) -> str:
+def release_record(pod: CapturedPod, dataplane: CaptureDataplane | None = None) -> str:
     """Drop a recorded pod's table and its pin; '' on success, else what went wrong."""
+    dp = dataplane or NftDataplane()
     problems = []
     targets = [pod.netns]
-    if pod.pinned and pod.kubelet_netns and netns_state(pod.netns) != "netns":
+    if pod.pinned and pod.kubelet_netns and dp.netns_state(pod.netns) != "netns":
         targets.append(pod.kubelet_netns)  # the pin's mount is gone; the netns may not be
     for target in targets:
         try:
-            if netns_identity(target) in host_netns_identities():
+            if dp.identity(target) in dp.host_identities():
                 continue  # never touch the node's own netns
         except OSError:
             continue  # gone: its rules went with it
         try:
-            nft.delete_table(target)
+            dp.drop(target)
         except NetnsGone:
             pass
-        except (NetnsError, nft.NftError, OSError, TimeoutError) as e:
+        except DATAPLANE_ERRORS as e:
             problems.append(f"dropping the table in {target}: {e}")
     if pod.pinned and os.path.lexists(pod.netns):
         try:
-            unpin(pod.netns)
+            dp.unpin(pod.netns)
         except OSError as e:
             problems.append(f"removing pin {pod.netns}: {e}")
     return "; ".join(problems)
 
 
-def release_offline(run_dir: str, progress: Callable[[str], None]) -> Report:
+def release_offline(run_dir: str, progress: Callable[[str], None],
+                    dataplane: CaptureDataplane | None = None) -> Report:
     """No agent serves: release from the records under `run_dir` and stop its Envoy."""
+    dp = dataplane or NftDataplane()
     report = Report()
     store = StateStore(os.path.join(run_dir, "pods"))
     store.load()
-    recover_interrupted_adds(store, os.path.join(run_dir, "netns"), report.notes.append)
+    recover_interrupted_adds(store, os.path.join(run_dir, "netns"), report.notes.append, dp)
     pods = store.all()
     # An Envoy the dead agent left may still carry connections: stop redirecting new ones
     # but keep NAT for the open ones until Envoy's exit has closed them.
     for pod in pods:
         try:
-            nft.apply_ruleset(pod.netns, render_releasing())
-        except (NetnsError, nft.NftError, OSError, TimeoutError):
+            dp.apply(pod.netns, render_releasing())
+        except DATAPLANE_ERRORS:
             pass  # released below all the same
     report.envoy_stopped = stop_envoy(run_dir, progress)
     if pods:
         time.sleep(1.0)  # the FIN/RST of Envoy's exit reach the pods through the NAT
     for i, pod in enumerate(sorted(pods, key=lambda p: p.key), 1):
-        problem = release_record(pod)
+        problem = release_record(pod, dp)
         if problem:
             report.failed.append(f"{pod.key}: {problem}")
             progress(f"[{i}/{len(pods)}] {pod.key}: FAILED: {problem}")

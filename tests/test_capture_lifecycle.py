@@ -1,5 +1,5 @@
-"""ADD's success and every rollback branch, and reconcile at start, with a fake capture
-dataplane (no root, no netns):
+"""ADD's success and every rollback branch, reconcile at start, the undo of an ADD a crash
+interrupted and uninstall's release, with a fake capture dataplane (no root, no netns):
 what was done to the pod's netns is undone in reverse when a later step fails, the add
 intent is always closed, and the answer says why. The root integration tests keep the real
 thing honest (integration/test_cni_*.py)."""
@@ -27,6 +27,7 @@ class FakeDataplane:
         self.calls: list[tuple[str, str]] = []
         self.tables: dict[str, str] = {}
         self.pins: dict[str, str] = {}
+        self.gone: set[str] = set()  # paths that are no netns any more
 
     def _step(self, name: str, arg: str) -> None:
         self.calls.append((name, arg))
@@ -55,6 +56,9 @@ class FakeDataplane:
 
     def is_stale_pin(self, path: str) -> bool:
         return False
+
+    def netns_state(self, path: str) -> str:
+        return "missing" if path in self.gone else "netns"
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         self._step("apply", netns)
@@ -245,3 +249,63 @@ def test_reconcile_reports_a_table_it_cannot_program(tmp_path: Path) -> None:
     agent.reconcile()
     assert any("re-programming failed" in n for n in agent.reconcile_report)
     assert len(agent.store.all()) == 1  # kept: the next CHECK or repair sees the drift
+
+
+# -- the undo of an interrupted ADD, uninstall's release: the same dataplane -------------------
+
+
+def test_an_add_interrupted_before_its_record_is_undone_through_the_dataplane(
+        tmp_path: Path) -> None:
+    from agent.recovery import recover_interrupted_adds
+    from agent.state import AddIntent
+
+    dp = FakeDataplane()
+    pin = tmp_path / "netns" / "c9"
+    pin.parent.mkdir()
+    pin.write_text("")  # the pin the interrupted ADD made
+    dp.tables[str(pin)] = "table"
+    store = StateStore(str(tmp_path / "pods"))
+    store.begin_add(AddIntent("c9", POD_NETNS, str(pin), True))
+    notes: list[str] = []
+    recover_interrupted_adds(store, str(pin.parent), notes.append, dp)
+    assert ("drop", str(pin)) in dp.calls and ("unpin", str(pin)) in dp.calls
+    assert dp.tables == {} and store.intents() == []
+    assert "table dropped" in notes[0] and "pin" in notes[0]
+
+
+def test_an_interrupted_add_leaves_a_netns_a_record_owns_alone(tmp_path: Path) -> None:
+    from agent.recovery import undo
+
+    dp = FakeDataplane()
+    h = _handler(tmp_path, dp)
+    assert _add(h)["ok"] is True  # c1 captured: its netns (fake identity) is owned
+    dp.calls.clear()
+    notes: list[str] = []
+    assert undo(h.store, "c-other", "/var/run/netns/elsewhere", False, "", notes.append, dp)
+    assert not any(c[0] == "drop" for c in dp.calls)
+    assert "left alone (captured for app/web" in notes[0]
+
+
+def test_uninstall_releases_a_record_through_the_dataplane_never_the_node_netns(
+        tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from agent.uninstall import release_record
+
+    dp = FakeDataplane()
+    h = _handler(tmp_path, dp)
+    assert _add(h)["ok"] is True
+    pod = h.store.all()[0]
+    assert pod.pinned and dp.tables
+    Path(pod.netns).parent.mkdir(parents=True, exist_ok=True)
+    Path(pod.netns).write_text("")  # the fake pins nothing on disk; the release looks
+    assert release_record(pod, dp) == ""
+    assert dp.tables == {} and ("unpin", pod.netns) in dp.calls
+    # a record naming the node's own netns (by identity) is never touched
+    dp.identity = lambda path: (1, 1)  # type: ignore[method-assign]
+    dp.calls.clear()
+    assert release_record(replace(pod, pinned=False), dp) == ""
+    assert not any(c[0] == "drop" for c in dp.calls)
+    # a failing drop is reported, not raised
+    dp = FakeDataplane(fail="drop")
+    assert "dropping the table" in release_record(replace(pod, pinned=False), dp)

@@ -112,10 +112,9 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> World:
     monkeypatch.setattr(dataplane_mod, "needs_pin", lambda path: "/proc-" in path)
     monkeypatch.setattr(dataplane_mod, "pin", w.pin)
     monkeypatch.setattr(dataplane_mod, "unpin", w.unpin)
-    monkeypatch.setattr(recovery, "unpin", w.unpin)
-    for mod in (dataplane_mod, recovery):
-        monkeypatch.setattr(mod, "netns_state", w.state)
-        monkeypatch.setattr(mod, "host_netns_identities", lambda: {w.host})
+    # the recovery of interrupted ADDs acts through the same dataplane
+    monkeypatch.setattr(dataplane_mod, "netns_state", w.state)
+    monkeypatch.setattr(dataplane_mod, "host_netns_identities", lambda: {w.host})
     return w
 
 

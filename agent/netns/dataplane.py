@@ -1,5 +1,6 @@
 """The capture dataplane: everything the pod lifecycle (ADD, DEL, CHECK, GC, live enrollment,
-reconcile at start) does to a pod's network namespace, behind one small interface.
+reconcile at start, the undo of an interrupted ADD, uninstall) does to a pod's network
+namespace, behind one small interface.
 
 The CNI handler and the agent's reconciler receive a ``CaptureDataplane`` by construction;
 production passes ``NftDataplane`` (libnftables in the pod's netns, bind-mount pins), and the
@@ -48,6 +49,10 @@ class CaptureDataplane(Protocol):
     def is_stale_pin(self, path: str) -> bool:
         """A pin whose mount is gone (an empty file): not a netns any more."""
 
+    def netns_state(self, path: str) -> str:
+        """``netns``, ``stale`` (a path that is no namespace, e.g. a pin whose mount is gone)
+        or ``missing`` — without ever blocking (``agent.netns.pin.netns_state``)."""
+
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         """Apply the capture table atomically; the fingerprint of what the kernel holds."""
 
@@ -83,6 +88,9 @@ class NftDataplane:
 
     def is_stale_pin(self, path: str) -> bool:
         return netns_state(path) == "stale"
+
+    def netns_state(self, path: str) -> str:
+        return netns_state(path)
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         return nft.apply_ruleset(netns, ruleset, first=first)
