@@ -525,10 +525,14 @@ class Agent:
             self.dataplane.check_netns(pod.kubelet_netns)
         except NetnsError as e:
             return f"sandbox process gone: {e}"
-        pin_ok = os.path.ismount(pod.netns)
-        if pin_ok:
-            same = os.stat(pod.netns).st_ino == os.stat(pod.kubelet_netns).st_ino
-            return "" if same else "the sandbox pid now belongs to another netns"
+        try:
+            pin_ok = self.dataplane.netns_state(pod.netns) == "netns"
+            if pin_ok:
+                same = self.dataplane.identity(pod.netns) == self.dataplane.identity(
+                    pod.kubelet_netns)
+                return "" if same else "the sandbox pid now belongs to another netns"
+        except OSError as e:
+            return f"netns unreadable: {e.strerror or e}"
         try:
             live = self.dataplane.live_fingerprint(pod.kubelet_netns)
         except DATAPLANE_ERRORS as e:

@@ -12,7 +12,7 @@ from typing import Any
 from agent.cni import codes
 from agent.cni.handler import CniHandler
 from agent.config import NodeConfig
-from agent.netns.enter import NetnsId
+from agent.netns.enter import NetnsError, NetnsId
 from agent.source.manifests import ManifestSource
 from agent.state import CapturedPod, StateStore
 
@@ -28,6 +28,8 @@ class FakeDataplane:
         self.tables: dict[str, str] = {}
         self.pins: dict[str, str] = {}
         self.gone: set[str] = set()  # paths that are no netns any more
+        self.stale: set[str] = set()  # pins whose mount is gone (an empty file left)
+        self.idents: dict[str, NetnsId] = {}  # a path's netns identity, (1, 4242) if unset
 
     def _step(self, name: str, arg: str) -> None:
         self.calls.append((name, arg))
@@ -36,9 +38,11 @@ class FakeDataplane:
 
     def check_netns(self, path: str) -> None:
         self._step("check_netns", path)
+        if path in self.gone or path in self.stale:
+            raise NetnsError(f"{path} is not a network namespace (fake)")
 
     def identity(self, path: str) -> NetnsId:
-        return (1, 4242)
+        return self.idents.get(path, (1, 4242))
 
     def host_identities(self) -> set[NetnsId]:
         return {(1, 1)}
@@ -58,7 +62,7 @@ class FakeDataplane:
         return False
 
     def netns_state(self, path: str) -> str:
-        return "missing" if path in self.gone else "netns"
+        return "missing" if path in self.gone else "stale" if path in self.stale else "netns"
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         self._step("apply", netns)
@@ -309,3 +313,57 @@ def test_uninstall_releases_a_record_through_the_dataplane_never_the_node_netns(
     # a failing drop is reported, not raised
     dp = FakeDataplane(fail="drop")
     assert "dropping the table" in release_record(replace(pod, pinned=False), dp)
+
+
+# -- reconcile at start, pinned pods: judged by kubelet's path, the pin re-made if lost --------
+
+
+def _pinned(agent: Any) -> CapturedPod:
+    from dataclasses import replace
+    pod = replace(_recorded(agent), netns="/run/aether/netns/c1", kubelet_netns=POD_NETNS,
+                  pinned=True)
+    agent.store.put(pod)
+    return pod
+
+
+def test_reconcile_keeps_a_pinned_pod_whose_pin_and_sandbox_agree(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    pod = _pinned(agent)
+    dp.tables[pod.netns] = "table"
+    agent.reconcile()
+    assert [p.container_id for p in agent.store.all()] == ["c1"] and sink.added == ["c1"]
+    assert not any(c[0] in ("pin", "unpin", "drop") for c in dp.calls)
+
+
+def test_reconcile_remakes_a_lost_pin_from_the_sandbox_path(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    pod = _pinned(agent)
+    dp.stale.add(pod.netns)  # the agent's mounts did not survive
+    dp.tables[POD_NETNS] = "table"  # the netns still holds our table
+    agent.reconcile()
+    assert dp.pins == {pod.netns: POD_NETNS}
+    assert any("re-pinned" in n for n in agent.reconcile_report)
+    assert [p.container_id for p in agent.store.all()] == ["c1"]
+
+
+def test_reconcile_releases_a_pinned_pod_whose_sandbox_pid_is_another_netns(
+        tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    pod = _pinned(agent)
+    dp.idents[POD_NETNS] = (1, 9999)  # the pid was reused by another sandbox
+    agent.reconcile()
+    assert agent.store.all() == [] and ("unpin", pod.netns) in dp.calls
+    assert any("another netns" in n for n in agent.reconcile_report)
+
+
+def test_reconcile_releases_a_pinned_pod_whose_lost_pin_left_no_table(tmp_path: Path) -> None:
+    dp, sink = FakeDataplane(), Sink()
+    agent = _agent_with(tmp_path, dp, sink)
+    pod = _pinned(agent)
+    dp.stale.add(pod.netns)
+    agent.reconcile()  # nothing of ours in the kubelet path: not re-pinned, released
+    assert agent.store.all() == [] and pod.netns not in dp.pins
+    assert any("holds no aether table" in n for n in agent.reconcile_report)
