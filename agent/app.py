@@ -21,6 +21,7 @@ from agent.capture.rules import render_ruleset
 from agent.cni import request as cni_request
 from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni.server import UnixJsonServer, json_handler
+from agent.cni.state import CapturedPod, StateStore
 from agent.config import NodeConfig
 from agent.mesh import MeshRuntime
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane
@@ -28,7 +29,6 @@ from agent.netns.enter import NetnsError
 from agent.netns.pin import pins_visible_to, share_pin_dir
 from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
-from agent.state import CapturedPod, StateStore
 from agent.workload import workload_of
 
 if TYPE_CHECKING:  # the subsystems' types; their modules load only when started

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
+from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
@@ -27,7 +28,6 @@ from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
 from agent.source.pace import breathe
-from agent.state import CapturedPod
 
 log = logging.getLogger("aether.mesh")
 

@@ -16,9 +16,9 @@ import logging
 import os
 from collections.abc import Callable
 
+from agent.cni.state import StateStore
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsGone
-from agent.state import StateStore
 
 log = logging.getLogger("aether.recovery")
 

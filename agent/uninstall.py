@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import psutil
 
 from agent.capture.rules import render_releasing
+from agent.cni.state import CapturedPod, StateStore
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsGone
 from agent.recovery import recover_interrupted_adds
-from agent.state import CapturedPod, StateStore
 
 log = logging.getLogger("aether.uninstall")
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from agent.cni import codes
 from agent.cni.handler import CniHandler
+from agent.cni.state import CapturedPod, StateStore
 from agent.config import NodeConfig
 from agent.netns.enter import NetnsError, NetnsId
 from agent.source.manifests import ManifestSource
-from agent.state import CapturedPod, StateStore
 
 POD_NETNS = "/proc/4242/ns/net"  # dies with the sandbox process: the ADD pins it
 
@@ -260,8 +260,8 @@ def test_reconcile_reports_a_table_it_cannot_program(tmp_path: Path) -> None:
 
 def test_an_add_interrupted_before_its_record_is_undone_through_the_dataplane(
         tmp_path: Path) -> None:
+    from agent.cni.state import AddIntent
     from agent.recovery import recover_interrupted_adds
-    from agent.state import AddIntent
 
     dp = FakeDataplane()
     pin = tmp_path / "netns" / "c9"

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from agent.cni.handler import CniHandler
+from agent.cni.state import StateStore
 from agent.config import NodeConfig
 from agent.source.manifests import ManifestSource
-from agent.state import StateStore
 
 
 @pytest.fixture

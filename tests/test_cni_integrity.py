@@ -17,6 +17,7 @@ import pytest
 
 from agent.cni import protocol as p
 from agent.cni.handler import CniHandler
+from agent.cni.state import StateStore
 from agent.config import NodeConfig
 from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
@@ -27,7 +28,6 @@ from agent.source.events import ObjectStore
 from agent.source.kube import KubeSource
 from agent.source.manifests import ManifestSource
 from agent.source.model import NamespaceMeta, PodMeta
-from agent.state import StateStore
 from agent.testing import FakeApiServer
 
 NAMESPACES = """\

@@ -17,13 +17,13 @@ import pytest
 from agent import recovery
 from agent.cni import handler as handler_mod
 from agent.cni.handler import CniHandler
+from agent.cni.state import AddIntent, StateStore
 from agent.config import NodeConfig
 from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
 from agent.netns import pin as pin_mod
 from agent.netns.enter import NetnsError, netns_identity
 from agent.source.manifests import ManifestSource
-from agent.state import AddIntent, StateStore
 
 POINTS = ["crash-after-pin", "crash-after-rules", "crash-before-listener", "crash-after-listener"]
 

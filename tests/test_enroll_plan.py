@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from agent.capture.policy import decide
+from agent.cni.state import CapturedPod, SeenPod
 from agent.config import NodeConfig
 from agent.enroll import plan
 from agent.source.model import NamespaceMeta, PodMeta
-from agent.state import CapturedPod, SeenPod
 
 NODE = NodeConfig(node_name="n")
 MANAGED = NamespaceMeta("app", {"aether.io/managed": "true"})

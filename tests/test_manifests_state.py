@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from agent.capture.policy import AnnotationProblem, CapturePolicy
+from agent.cni.state import CapturedPod, StateStore
 from agent.source.base import PodEvent
 from agent.source.manifests import ManifestSource
-from agent.state import CapturedPod, StateStore
 
 
 def test_manifest_source_reads_and_rereads(tmp_path: Path) -> None:

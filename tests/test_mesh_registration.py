@@ -6,9 +6,9 @@ import threading
 import time
 
 from agent.capture.policy import CapturePolicy
+from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.mesh import REGISTER_WAIT_S, MeshRuntime
-from agent.state import CapturedPod
 
 
 def _pod(name: str) -> CapturedPod:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.capture.policy import CapturePolicy
-from agent.state import CapturedPod, StateStore
+from agent.cni.state import CapturedPod, StateStore
 
 
 def _pod(cid: str) -> CapturedPod:

@@ -11,9 +11,9 @@ import pytest
 from agent.capture.policy import CapturePolicy
 from agent.cni import handler as handler_mod
 from agent.cni.handler import CniFailure, CniHandler
+from agent.cni.state import CapturedPod, StateStore
 from agent.config import NodeConfig
 from agent.netns import nft
-from agent.state import CapturedPod, StateStore
 
 
 def test_a_release_that_cannot_touch_the_table_keeps_the_capture(

@@ -9,12 +9,12 @@ import pytest
 
 from agent.cni import protocol as p
 from agent.cni.handler import CniFailure, CniHandler
+from agent.cni.state import StateStore
 from agent.config import NodeConfig
 from agent.source.base import PodEvent, SourceError, WatchEvent
 from agent.source.cached import CachedSource
 from agent.source.events import ObjectStore
 from agent.source.model import NamespaceMeta, PodMeta
-from agent.state import StateStore
 
 
 class Api:

@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.envoy import watchdog
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
@@ -37,7 +38,6 @@ from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
 from agent.netns.families import NoLoopback, loopback_families
 from agent.scope.route_tables import GammaResult
-from agent.state import CapturedPod
 
 log = logging.getLogger("aether.envoy")
 
