@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
-def workload_of(pod_name: str, obj: dict[str, Any] | None) -> str:
+def workload_of(pod_name: str, obj: Mapping[str, Any] | None) -> str:
     """The controlling owner's name; a ReplicaSet's Deployment (the ReplicaSet name less
     its ``-<pod-template-hash>``); the pod itself when it has no owner."""
     meta = (obj or {}).get("metadata") or {}

@@ -13,10 +13,11 @@ records in place of Pods: the registry sees the same fields, from ~700 bytes a p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 from agent.slices.project import NODE_LABEL, node_label_value
 from agent.source.model import slim_pod
+from agent.source.objects import PodObject
 
 GROUP = "aether.io"
 VERSION = "v1alpha1"
@@ -57,7 +58,7 @@ def pod_of(record: JSON) -> JSON | None:
     body = (record.get("spec") or {}).get("pod")
     if not isinstance(body, dict) or not meta.get("name"):
         return None
-    pod = slim_pod({"apiVersion": "v1", **body})
+    pod = slim_pod(cast(PodObject, {"apiVersion": "v1", **body}))
     pod["metadata"]["name"] = meta["name"]  # slim_pod's dicts are its own: set in place
     pod["metadata"]["namespace"] = meta.get("namespace") or "default"
     return pod

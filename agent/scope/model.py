@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from agent.config import NodeConfig
 from agent.scope.deps import DEFAULT_LEARN_TTL, DEPENDENCIES_ANNOTATION, DependencySet
@@ -32,6 +32,13 @@ from agent.scope.services import (
     session_persistence,
 )
 from agent.source.base import WatchEvent
+from agent.source.objects import (
+    BackendTrafficPolicyObject,
+    EndpointSliceObject,
+    PodObject,
+    RouteObject,
+    ServiceObject,
+)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 #: ``agent.meshpods.record.KIND``: another node's pod as its agent published it (the source
@@ -136,7 +143,7 @@ class MeshModel:
         # node name → its topology.kubernetes.io/zone (trafficDistribution: PreferSameZone)
         self._zones: dict[str, str] = {}
         # XBackendTrafficPolicy objects by "<ns>/<name>" (their targets' retry budgets)
-        self._backend_policies: dict[str, dict[str, Any]] = {}
+        self._backend_policies: dict[str, BackendTrafficPolicyObject] = {}
         # Set by a long-running owner that reads the scope on a debounce (MeshRuntime): scope
         # recomputation then happens once per read instead of once per event.
         self.defer_scope = False
@@ -308,14 +315,15 @@ class MeshModel:
             if deleted:
                 svcs, pods = self.registry.remove_pod(ns, name)
             else:
-                svcs, pods = self.registry.upsert_pod(obj)
+                svcs, pods = self.registry.upsert_pod(cast(PodObject, obj))
             return svcs | self._after_pods(pods)
         if kind == REMOTE_POD_KIND:
             return self._apply_remote_pod(ns, name, None if deleted else obj)
         if kind == "Service":
-            return self._apply_service(ns, name, None if deleted else service_from_object(obj))
+            return self._apply_service(
+                ns, name, None if deleted else service_from_object(cast(ServiceObject, obj)))
         if kind == "EndpointSlice":
-            return self._apply_slice(ns, name, None if deleted else obj)
+            return self._apply_slice(ns, name, None if deleted else cast(EndpointSliceObject, obj))
         if kind == "Node":
             return self._apply_node(name, None if deleted else obj)
         if kind == "XBackendTrafficPolicy":
@@ -324,13 +332,13 @@ class MeshModel:
             if deleted:
                 self._backend_policies.pop(key, None)
             else:
-                self._backend_policies[key] = obj
-            return before | set(policy_targets(obj))
+                self._backend_policies[key] = cast(BackendTrafficPolicyObject, obj)
+            return before | set(policy_targets(cast(BackendTrafficPolicyObject, obj)))
         if kind in ROUTE_KINDS:
             if deleted:
                 targets = self.routes.remove(kind, ns, name)
             else:
-                targets = self.routes.upsert(route_from_object(kind, obj))
+                targets = self.routes.upsert(route_from_object(kind, cast(RouteObject, obj)))
             if targets:
                 self._scope_dirty = True  # backendRefs (the closure) may have changed
             return targets
@@ -351,7 +359,7 @@ class MeshModel:
             svcs, pods = self.registry.remove_pod(ns, name)
         else:
             self._remote_pods.add(key)
-            svcs, pods = self.registry.upsert_pod(obj)
+            svcs, pods = self.registry.upsert_pod(cast(PodObject, obj))
         return svcs | self._after_pods(pods)
 
     def _traffic(self, svc: Service) -> TrafficPolicy:
@@ -415,7 +423,7 @@ class MeshModel:
             self._scope_dirty = True  # a new Service may match an ns/* or a declared name
         return {key} if (old != svc or members_changed) else set()
 
-    def _apply_slice(self, ns: str, name: str, obj: dict[str, Any] | None) -> set[str]:
+    def _apply_slice(self, ns: str, name: str, obj: EndpointSliceObject | None) -> set[str]:
         skey = f"{ns}/{name}"
         old = self._slices.pop(skey, None)
         if old is not None:

@@ -24,6 +24,7 @@ from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
 from agent.scope.services import canonical_ip
 from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object, shared
+from agent.source.objects import PodObject
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ class CniRegistration:
 _API, _CNI, _API_CNI = frozenset({"api"}), frozenset({"cni"}), frozenset({"api", "cni"})
 
 
-def _pod_ips(obj: dict[str, Any]) -> tuple[str, ...]:
+def _pod_ips(obj: PodObject) -> tuple[str, ...]:
     status = obj.get("status") or {}
     raw = [p.get("ip") for p in status.get("podIPs") or [] if isinstance(p, dict)]
     if not raw and status.get("podIP"):
@@ -92,14 +93,14 @@ def _pod_ips(obj: dict[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _ready(obj: dict[str, Any]) -> bool:
+def _ready(obj: PodObject) -> bool:
     for cond in (obj.get("status") or {}).get("conditions") or []:
         if isinstance(cond, dict) and cond.get("type") == "Ready":
             return str(cond.get("status")) == "True"
     return False
 
 
-def _named_ports(obj: dict[str, Any]) -> dict[str, int]:
+def _named_ports(obj: PodObject) -> dict[str, int]:
     out: dict[str, int] = {}
     spec = obj.get("spec") or {}
     for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
@@ -119,7 +120,7 @@ class Registry:
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
-        self._api: dict[str, dict[str, Any]] = {}
+        self._api: dict[str, PodObject] = {}
         self._cni: dict[str, CniRegistration] = {}
         self._namespaces: dict[str, NamespaceMeta] = {}
         self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
@@ -171,7 +172,7 @@ class Registry:
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
-    def api_object(self, pod_key: str) -> dict[str, Any] | None:
+    def api_object(self, pod_key: str) -> PodObject | None:
         """The pod's object as the source reported it (None: only a CNI ADD, or unknown)."""
         return self._api.get(pod_key)
 
@@ -179,7 +180,7 @@ class Registry:
         """A CNI ADD on this node registered the pod."""
         return pod_key in self._cni
 
-    def upsert_pod(self, obj: dict[str, Any]) -> tuple[set[str], set[str]]:
+    def upsert_pod(self, obj: PodObject) -> tuple[set[str], set[str]]:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
         m = obj.get("metadata") or {}
         ns = str(m.get("namespace") or "default")

@@ -9,8 +9,11 @@ defaults are a Gateway parent); full route objects are kept for the route-table 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
+
+from agent.source.objects import RouteObject
 
 ROUTE_KINDS = ("HTTPRoute", "GRPCRoute")
 
@@ -66,7 +69,7 @@ class Route:
         return frozenset(p.key for p in self.parents)
 
 
-def _is_service(ref: dict[str, Any], default_group: str, default_kind: str) -> bool:
+def _is_service(ref: Mapping[str, Any], default_group: str, default_kind: str) -> bool:
     group = ref.get("group", default_group)
     kind = ref.get("kind", default_kind)
     return (group or "") == "" and kind == "Service"
@@ -79,7 +82,7 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def _backend(ref: dict[str, Any], ns: str, mirror: bool = False) -> BackendRef | None:
+def _backend(ref: Mapping[str, Any], ns: str, mirror: bool = False) -> BackendRef | None:
     if not isinstance(ref, dict) or not ref.get("name") or not _is_service(ref, "", "Service"):
         return None
     weight = _int(ref.get("weight"))
@@ -92,7 +95,7 @@ def _backend(ref: dict[str, Any], ns: str, mirror: bool = False) -> BackendRef |
     )
 
 
-def route_from_object(kind: str, obj: dict[str, Any]) -> Route:
+def route_from_object(kind: str, obj: RouteObject) -> Route:
     """HTTPRoute/GRPCRoute JSON → Route with its Service parents and every Service backend."""
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
@@ -116,11 +119,11 @@ def route_from_object(kind: str, obj: dict[str, Any]) -> Route:
         if not isinstance(rule, dict):
             continue
         filters = list(rule.get("filters") or [])
-        for ref in rule.get("backendRefs") or []:
-            b = _backend(ref, ns)
+        for bref in rule.get("backendRefs") or []:
+            b = _backend(bref, ns)
             if b is not None:
                 backends.append(b)
-            filters += list((ref or {}).get("filters") or [])
+            filters += list((bref or {}).get("filters") or [])
         for f in filters:
             mirror = (f or {}).get("requestMirror") if isinstance(f, dict) else None
             if isinstance(mirror, dict):
@@ -134,7 +137,7 @@ def route_from_object(kind: str, obj: dict[str, Any]) -> Route:
         parents=tuple(parents),
         backends=tuple(backends),
         created=str(meta.get("creationTimestamp") or ""),
-        obj=obj,
+        obj=cast(dict[str, Any], obj),
         generation=str(meta.get("resourceVersion") or meta.get("generation") or ""),
     )
 

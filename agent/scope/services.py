@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.scope import durations
+from agent.source.objects import (
+    BackendTrafficPolicyObject,
+    ServiceObject,
+    ServicePortSpec,
+    ServiceSpec,
+)
 
 CLUSTER_DOMAIN = "svc.cluster.local"
 DEFAULT_MESH_DOMAIN = "aether.internal"
@@ -91,7 +97,7 @@ class SessionPersistence:
     ttl_s: float | None = None
 
 
-def traffic_policy_from_spec(spec: dict[str, Any]) -> TrafficPolicy:
+def traffic_policy_from_spec(spec: ServiceSpec) -> TrafficPolicy:
     """The Service spec's traffic fields; anything malformed keeps Kubernetes' default."""
     timeout = DEFAULT_AFFINITY_TIMEOUT_S
     cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}) \
@@ -169,7 +175,7 @@ def _str_map(value: Any) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in value.items()}
 
 
-def _port(raw: dict[str, Any]) -> ServicePort | None:
+def _port(raw: ServicePortSpec) -> ServicePort | None:
     try:
         number = int(raw.get("port") or 0)
     except (TypeError, ValueError):
@@ -194,7 +200,7 @@ def _port(raw: dict[str, Any]) -> ServicePort | None:
     )
 
 
-def service_from_object(obj: dict[str, Any]) -> Service:
+def service_from_object(obj: ServiceObject) -> Service:
     """Service JSON → Service. Headless/ExternalName services get no ClusterIPs (nothing to
     capture) but keep their ports and selector, so they can still be backends."""
     meta = obj.get("metadata") or {}
@@ -283,7 +289,7 @@ class ServiceCatalog:
         return key
 
 
-def retry_constraint(policy: dict[str, Any]) -> tuple[float | None, int | None]:
+def retry_constraint(policy: BackendTrafficPolicyObject) -> tuple[float | None, int | None]:
     """An XBackendTrafficPolicy's retryConstraint → (budget percent, minimum concurrent
     retries). Gateway API defaults: 20 percent; minRetryRate's count is the floor (Envoy
     budgets concurrent retries, not a rate over an interval)."""
@@ -298,7 +304,7 @@ def retry_constraint(policy: dict[str, Any]) -> tuple[float | None, int | None]:
     return percent, (int(count) if isinstance(count, int) and count >= 0 else None)
 
 
-def session_persistence(policy: dict[str, Any]) -> SessionPersistence | None:
+def session_persistence(policy: BackendTrafficPolicyObject) -> SessionPersistence | None:
     """An XBackendTrafficPolicy's sessionPersistence → ``SessionPersistence``; None when
     absent or malformed (a type we do not implement is no persistence, not a guess).
     ``cookieConfig.lifetimeType: Permanent`` gives the cookie ``absoluteTimeout`` as its
@@ -323,7 +329,7 @@ def session_persistence(policy: dict[str, Any]) -> SessionPersistence | None:
     return SessionPersistence(kind=kind, name=name, ttl_s=ttl)
 
 
-def policy_targets(policy: dict[str, Any]) -> list[str]:
+def policy_targets(policy: BackendTrafficPolicyObject) -> list[str]:
     """The Service keys (``<ns>/<name>``) a namespaced Gateway API policy targets."""
     meta = policy.get("metadata") or {}
     ns = str(meta.get("namespace") or "default")

@@ -7,9 +7,11 @@ fields the capture decision needs, so the decision stays a pure function of plai
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
 from agent.workload import workload_of
 
 
@@ -51,7 +53,7 @@ def _str_map(value: Any) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in value.items()}
 
 
-def pod_from_object(obj: dict[str, Any]) -> PodMeta:
+def pod_from_object(obj: Mapping[str, Any]) -> PodMeta:
     """Kubernetes Pod JSON → PodMeta (missing fields take Kubernetes' defaults)."""
     meta = _map(obj.get("metadata"))
     spec = _map(obj.get("spec"))
@@ -100,7 +102,7 @@ def _holds_net_admin(spec: dict[str, Any]) -> bool:
     return False
 
 
-def namespace_from_object(obj: dict[str, Any]) -> NamespaceMeta:
+def namespace_from_object(obj: Mapping[str, Any]) -> NamespaceMeta:
     meta = _map(obj.get("metadata"))
     return NamespaceMeta(
         name=str(meta.get("name") or ""),
@@ -161,7 +163,7 @@ def _slim_map(value: Any) -> dict[str, Any]:
     return {_intern(k): _intern(v) for k, v in _map(value).items()}
 
 
-def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
+def slim_pod(obj: PodObject) -> dict[str, Any]:
     """The fields of a Pod the agent reads, and nothing else: applied on receipt from the
     API (as a client-go informer transform is), so a node's memory follows what the mesh
     needs — not env, probes, volumes, managedFields or container statuses — and status-only
@@ -201,7 +203,7 @@ def slim_pod(obj: dict[str, Any]) -> dict[str, Any]:
             "spec": s, "status": st}
 
 
-def slim_endpoint_slice(obj: dict[str, Any]) -> dict[str, Any]:
+def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
     """An EndpointSlice as the mesh reads it (``MeshModel._apply_slice``, ``is_projected``):
     name, namespace and labels; address type; ports; per endpoint its addresses, conditions,
     node, zone, hints and Pod reference. managedFields, annotations, owner references and the
@@ -241,7 +243,7 @@ def slim_endpoint_slice(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def slim_node(obj: dict[str, Any]) -> dict[str, Any]:
+def slim_node(obj: NodeObject) -> dict[str, Any]:
     """A Node as the mesh reads it: its name and its zone label (trafficDistribution).
     Everything else (status, images, heartbeats) is dropped on receipt, so a node's churn
     is no change at all here."""

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -50,6 +50,7 @@ from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
 from agent.source.manifests import ManifestLoader, shared_loader
 from agent.source.model import slim_endpoint_slice, slim_node, slim_pod
+from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
 from agent.source.pace import background_slice
 
 log = logging.getLogger("aether.source.watch")
@@ -277,11 +278,11 @@ class KubeWatcher:
 
     def _normalise(self, spec: KindSpec, obj: dict[str, Any]) -> dict[str, Any]:
         if spec.kind == "Pod":
-            return slim_pod(obj)  # sets kind and apiVersion too
+            return slim_pod(cast(PodObject, obj))  # sets kind and apiVersion too
         if spec.kind == "Node":
-            return slim_node(obj)
+            return slim_node(cast(NodeObject, obj))
         if spec.kind == "EndpointSlice":
-            return slim_endpoint_slice(obj)
+            return slim_endpoint_slice(cast(EndpointSliceObject, obj))
         if spec.kind == MESHPOD_KIND:
             return meshpod_object(obj)
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
