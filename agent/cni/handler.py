@@ -25,9 +25,10 @@ from agent.capture.policy import CaptureDecision, decide, parse_bool
 from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
-from agent.cni.messages import CniRequest, ContainerId
+from agent.cni.messages import CniRequest
 from agent.cni.state import AddIntent, CapturedPod, SeenPod, StateStore
 from agent.config import NodeConfig
+from agent.ids import ContainerId
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsError, NetnsGone, NetnsId
 from agent.source.base import MetadataSource, PodEvent, SourceError

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, NewType
+from typing import Any
 
-ContainerId = NewType("ContainerId", str)  # CNI_CONTAINERID: the sandbox's id
+from agent.ids import ContainerId  # CNI_CONTAINERID: the sandbox's id
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from agent.capture.policy import AnnotationProblem, CapturePolicy
+from agent.ids import ContainerId, PodKey, pod_key
 
 log = logging.getLogger("aether.state")
 STATE_VERSION = 1
@@ -24,7 +25,7 @@ STATE_VERSION = 1
 
 @dataclass
 class CapturedPod:
-    container_id: str
+    container_id: ContainerId
     uid: str
     namespace: str
     name: str
@@ -45,8 +46,8 @@ class CapturedPod:
     workload: str = ""  # the pod's owner (its Deployment, StatefulSet...): the metrics' source
 
     @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+    def key(self) -> PodKey:
+        return pod_key(self.namespace, self.name)
 
     def to_json(self) -> dict[str, Any]:
         """As ``asdict`` gives it, without its recursive deep copy (the policy was converted

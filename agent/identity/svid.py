@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agent.ids import IdentityKey
+
 # Renew at half life, as SPIRE agents do: a failing provider then has half the lifetime to
 # recover before any pod fails closed.
 RENEW_FRACTION = 0.5
@@ -26,9 +28,9 @@ def parse_spiffe_id(uri: str) -> tuple[str, str, str] | None:
     return td, parts[1], parts[3]
 
 
-def identity_key(namespace: str, service_account: str) -> str:
+def identity_key(namespace: str, service_account: str) -> IdentityKey:
     """``<ns>/<sa>``: how the agent names an identity (the registry key of proposal 023)."""
-    return f"{namespace}/{service_account or 'default'}"
+    return IdentityKey(f"{namespace}/{service_account or 'default'}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 from agent.capture.policy import managed
 from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
+from agent.ids import PodKey
 from agent.scope.services import canonical_ip
 from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object, shared
 from agent.source.objects import PodObject
@@ -46,8 +47,8 @@ class PodRecord:
     sources: frozenset[str] = frozenset()
 
     @property
-    def key(self) -> str:
-        return sys.intern(f"{self.namespace}/{self.name}")
+    def key(self) -> PodKey:
+        return PodKey(sys.intern(f"{self.namespace}/{self.name}"))
 
     @property
     def identity(self) -> str:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.ids import ServiceKey, service_key
 from agent.scope import durations
 from agent.source.objects import (
     BackendTrafficPolicyObject,
@@ -137,8 +138,8 @@ class Service:
     traffic: TrafficPolicy = field(default_factory=TrafficPolicy)
 
     @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+    def key(self) -> ServiceKey:
+        return service_key(self.namespace, self.name)
 
 
     @property
