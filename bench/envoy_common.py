@@ -131,13 +131,18 @@ class ServerEnvoy:
             return ""
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; nothing if it is gone already."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 _UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}

@@ -41,13 +41,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agent.envoy.supervisor import admin_request, find_envoy_binary
 from agent.netns.pin import release_mounts_under
 from bench.common import Pod, dumps, machine_info, progress
-from bench.envoy_common import ServerEnvoy, WrkResult, envoy_version, grpc_message, run_wrk
+from bench.envoy_common import (
+    ServerEnvoy,
+    WrkResult,
+    envoy_version,
+    grpc_message,
+    run_wrk,
+    terminate,
+)
 from bench.envoy_path import (
     BODY_BYTES,
     EXCLUDE_ANNOTATION,
@@ -210,13 +218,7 @@ class Sidecar:
         return 0
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
 
 
 @dataclass
@@ -352,6 +354,20 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     return out
 
 
+def _until_answered(what: str, deadline: float, attempt: Callable[[], WrkResult]) -> None:
+    """Retry ``attempt`` (a 1 s load run) until it completes requests without errors."""
+    while True:
+        try:
+            w = attempt()
+            if w.requests and not w.non_2xx and not w.socket_errors:
+                return
+        except (RuntimeError, ValueError):  # nothing answered: no figures to parse
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} never answered through the node Envoy")
+        time.sleep(0.5)
+
+
 def measure(shape: str, mode: str, pod: Pod, url: str, duration: float, proxy_pid: int | None,
             proxied: Any, workdir: str) -> Run:
     threads, conns = (1, 1) if shape == "latency" else (WRK_THREADS, WRK_CONNECTIONS)
@@ -441,26 +457,11 @@ def main(argv: list[str] | None = None) -> int:
             _client_sysctls(pod)
         progress("[data] warm-up and route check …")
         deadline = time.monotonic() + 30
-        while True:  # the routed Service reaches the node Envoy through the manifest watcher
-            try:
-                w = run_wrk(cap.netns_name, _url("routed", "node", node.gw4, server.port), 1, 1, 1)
-                if w.requests and not w.non_2xx and not w.socket_errors:
-                    break
-            except (RuntimeError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the routed Service never answered through the node Envoy")
-            time.sleep(0.5)
-        while True:  # and the gRPC one, through its GRPCRoute
-            try:
-                g = run_grpc(root, cap.netns_name, _url("grpc", "node", node.gw4, 0), 1)
-                if g.requests and not g.non_2xx and not g.socket_errors:
-                    break
-            except (RuntimeError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gRPC Service never answered through the node Envoy")
-            time.sleep(0.5)
+        # both Services reach the node Envoy through the manifest watcher, then a push
+        _until_answered("the routed Service", deadline, lambda: run_wrk(
+            cap.netns_name, _url("routed", "node", node.gw4, server.port), 1, 1, 1))
+        _until_answered("the gRPC Service (its GRPCRoute)", deadline, lambda: run_grpc(
+            root, cap.netns_name, _url("grpc", "node", node.gw4, 0), 1))
         for mode, pod in pods.items():
             run_wrk(pod.netns_name, _url("routed", mode, node.gw4, server.port), 1,
                     WRK_THREADS, WRK_CONNECTIONS)
