@@ -367,3 +367,22 @@ def test_reconcile_releases_a_pinned_pod_whose_lost_pin_left_no_table(tmp_path: 
     agent.reconcile()  # nothing of ours in the kubelet path: not re-pinned, released
     assert agent.store.all() == [] and pod.netns not in dp.pins
     assert any("holds no aether table" in n for n in agent.reconcile_report)
+
+
+def test_the_handler_answers_with_a_frozen_typed_verdict(tmp_path: Path) -> None:
+    import dataclasses
+
+    import pytest
+
+    from agent.cni.messages import CniAnswer
+
+    h = _handler(tmp_path, FakeDataplane())
+    ok = h.answer({"command": "ADD", "container_id": "c1", "netns": POD_NETNS, "ifname": "eth0",
+                   "netconf": {}, "ips": ["10.1.0.5/24"],
+                   "args": {"K8S_POD_NAMESPACE": "app", "K8S_POD_NAME": "web"}})
+    assert ok == CniAnswer(True) and ok.to_json() == {"ok": True}
+    bad = h.answer({"command": "ADD", "container_id": "no spaces allowed"})
+    assert not bad.ok and bad.code == codes.ERR_INVALID_ENV and "CNI_CONTAINERID" in bad.msg
+    assert bad.to_json() == {"ok": False, "code": bad.code, "msg": bad.msg, "details": ""}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bad.ok = True  # type: ignore[misc]

@@ -25,7 +25,7 @@ from agent.capture.policy import CaptureDecision, decide, parse_bool
 from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
-from agent.cni.messages import CniRequest
+from agent.cni.messages import CniAnswer, CniRequest
 from agent.cni.state import AddIntent, CapturedPod, SeenPod, StateStore
 from agent.config import NodeConfig
 from agent.ids import ContainerId
@@ -163,7 +163,11 @@ class CniHandler:
                 p.ERR_BAD_REQUEST, "malformed request from aether-cni", repr(e)))))
 
     def handle(self, request: Any) -> dict[str, Any]:
-        """One request from the shim → one answer; never raises."""
+        """One request from the shim → its answer in wire form (``CniAnswer.to_json``)."""
+        return self.answer(request).to_json()
+
+    def answer(self, request: Any) -> CniAnswer:
+        """One request from the shim → one typed answer; never raises."""
         started = time.monotonic()
         command = request.get("command") if isinstance(request, dict) else None
         outcome = "failed"
@@ -173,7 +177,7 @@ class CniHandler:
                     self._status()
                 else:
                     self._gc(request.get("netconf") or {})
-                return {"ok": True}
+                return CniAnswer(True)
             req = self._validate(request)
             with self._pod_lock(req.container_id):
                 if req.command == "ADD":
@@ -184,7 +188,7 @@ class CniHandler:
                 else:
                     self._check(req)
                     outcome = "ok"
-            return {"ok": True}
+            return CniAnswer(True)
         except CniFailure as e:
             if command == "ADD":
                 self.counters.add_failed += 1
@@ -192,13 +196,13 @@ class CniHandler:
                 self.counters.check_failed += 1
             log.error("CNI %s failed: %s (%s)", command, e.msg, e.details,
                       extra={"container_id": _cid(request)})
-            return {"ok": False, "code": e.code, "msg": e.msg, "details": e.details}
+            return CniAnswer(False, e.code, e.msg, e.details)
         except Exception as e:  # a bug must still answer the shim, never hang it
             log.exception("CNI %s crashed", command)
             if command == "ADD":
                 self.counters.add_failed += 1
-            return {"ok": False, "code": p.ERR_CAPTURE_FAILED,
-                    "msg": f"aether agent internal error on {command}", "details": repr(e)}
+            return CniAnswer(False, p.ERR_CAPTURE_FAILED,
+                             f"aether agent internal error on {command}", repr(e))
         finally:
             took = time.monotonic() - started
             log.debug("CNI %s took %.1f ms", command, took * 1000)

@@ -1,4 +1,5 @@
-"""A CNI request as the agent's handler works with it: validated once, frozen, typed.
+"""A CNI request and answer as the agent's handler works with them: validated once, frozen,
+typed.
 
 The wire form (``{"command", "container_id", "netns", ...}`` from the request parser,
 agent.cni.request) becomes a ``CniRequest`` in ``CniHandler._validate``; the handler's own
@@ -28,3 +29,21 @@ class CniRequest:
     def but(self, **changes: Any) -> CniRequest:
         """The same request with some fields changed (a DEL aimed at another record)."""
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CniAnswer:
+    """The handler's verdict on one request: ok, or a CNI error code with its message and
+    details (the CNI spec's error object). ``to_json`` is the form ``request.render`` turns
+    into the shim's ``<exit code>\n<stdout>``."""
+
+    ok: bool
+    code: int = 0
+    msg: str = ""
+    details: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        if self.ok:
+            return {"ok": True}
+        return {"ok": False, "code": self.code, "msg": self.msg, "details": self.details}
+
