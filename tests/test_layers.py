@@ -23,7 +23,7 @@ PURE = (
     "agent.config", "agent.envoy.http_routes", "agent.envoy.mtls", "agent.envoy.pieces",
     "agent.envoy.resources", "agent.envoy.envoy_stats", "agent.envoy.traffic", "agent.top",
     "agent.identity.svid",
-    "agent.cni.codes", "agent.cni.request",
+    "agent.cni.codes", "agent.cni.request", "agent.cni.messages",
     "agent.gamma.conditions", "agent.gamma.ownership", "agent.install.conflist",
     "agent.scope", "agent.scope.deps", "agent.scope.route_tables", "agent.scope.model",
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -25,7 +24,7 @@ from agent.capture.policy import CaptureDecision, decide, parse_bool
 from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
-from agent.cni.messages import CniAnswer, CniRequest
+from agent.cni.messages import CniAnswer, CniFailure, CniRequest
 from agent.cni.state import AddIntent, CapturedPod, SeenPod, StateStore
 from agent.config import NodeConfig
 from agent.ids import ContainerId
@@ -42,7 +41,6 @@ REASON_INVALID_ANNOTATION = "CaptureAnnotationInvalid"
 # listener within its drain time (2 s), and their FIN/RST need the NAT translation to reach
 # the pod.
 RELEASE_GRACE_S = 4.0
-_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}\Z")  # \Z: no trailing newline
 
 
 class ListenerSink(Protocol):
@@ -72,12 +70,6 @@ class _PodLock:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-
-
-class CniFailure(Exception):
-    def __init__(self, code: int, msg: str, details: str = "") -> None:
-        super().__init__(msg)
-        self.code, self.msg, self.details = code, msg, details
 
 
 @dataclass
@@ -211,28 +203,7 @@ class CniHandler:
 
     # -- validation ----------------------------------------------------------------------
     def _validate(self, request: Any) -> CniRequest:
-        if not isinstance(request, dict):
-            raise CniFailure(p.ERR_BAD_REQUEST, "request is not a JSON object")
-        command = request.get("command")
-        if command not in ("ADD", "DEL", "CHECK"):
-            raise CniFailure(p.ERR_BAD_REQUEST, f"unknown command {command!r}")
-        cid = request.get("container_id")
-        if not isinstance(cid, str) or not _CONTAINER_ID.match(cid):
-            raise CniFailure(p.ERR_INVALID_ENV, "CNI_CONTAINERID missing or malformed")
-        netns = request.get("netns") or ""
-        args = request.get("args") or {}
-        netconf = request.get("netconf") or {}
-        ips = request.get("ips") or []
-        if not isinstance(netns, str) or not isinstance(args, dict) \
-                or not isinstance(netconf, dict) or not isinstance(ips, list):
-            raise CniFailure(p.ERR_BAD_REQUEST, "request fields have the wrong types")
-        if netns and (not os.path.isabs(netns) or ".." in netns.split("/")):
-            raise CniFailure(p.ERR_INVALID_ENV, f"netns path {netns!r} is not a clean absolute path")
-        return CniRequest(
-            command=command, container_id=ContainerId(cid), netns=netns,
-            ifname=str(request.get("ifname") or ""),
-            args={str(k): str(v) for k, v in args.items()}, netconf=netconf,
-            ips=tuple(str(i) for i in ips))
+        return request_mod.to_request(request)
 
     # -- STATUS and GC (CNI 1.1) ----------------------------------------------------------
     def _status(self) -> None:
@@ -551,7 +522,7 @@ class CniHandler:
                           redirect_all_default: bool) -> bool:
         """Capture a running pod no ADD of ours saw (older than aether here), found by its IP
         in `netns`. Its kubelet DEL, under the real container id, is matched by netns."""
-        if not _CONTAINER_ID.match(container_id):
+        if not request_mod.CONTAINER_ID.match(container_id):
             return False
         with self._pod_lock(container_id):
             if self.store.get(container_id) is not None:

@@ -16,6 +16,14 @@ from typing import Any
 from agent.ids import ContainerId  # CNI_CONTAINERID: the sandbox's id
 
 
+class CniFailure(Exception):
+    """A request the handler refuses or could not carry out: the CNI error it answers."""
+
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.code, self.msg, self.details = code, msg, details
+
+
 @dataclass(frozen=True)
 class CniRequest:
     command: str  # ADD | DEL | CHECK

@@ -9,9 +9,15 @@ ADD, nothing on DEL/CHECK, a CNI error object on failure).
 from __future__ import annotations
 
 import json
+import os
+import re
 from typing import Any
 
 from agent.cni import codes as p
+from agent.cni.messages import CniFailure, CniRequest
+from agent.ids import ContainerId
+
+CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}\Z")  # \Z: no trailing newline
 
 
 def cni_error(code: int, msg: str, details: str = "", version: str = "1.0.0") -> dict[str, Any]:
@@ -99,3 +105,30 @@ def render(request: dict[str, Any], verdict: dict[str, Any]) -> Answer:
 
 def encode(answer: Answer) -> bytes:
     return f"{answer[0]}\n{answer[1]}".encode()
+
+
+def to_request(request: Any) -> CniRequest:
+    """The parsed wire form → a frozen ``CniRequest``, or ``CniFailure`` naming the CNI error:
+    the command, a well-formed container id, a clean absolute netns path, typed fields."""
+    if not isinstance(request, dict):
+        raise CniFailure(p.ERR_BAD_REQUEST, "request is not a JSON object")
+    command = request.get("command")
+    if command not in ("ADD", "DEL", "CHECK"):
+        raise CniFailure(p.ERR_BAD_REQUEST, f"unknown command {command!r}")
+    cid = request.get("container_id")
+    if not isinstance(cid, str) or not CONTAINER_ID.match(cid):
+        raise CniFailure(p.ERR_INVALID_ENV, "CNI_CONTAINERID missing or malformed")
+    netns = request.get("netns") or ""
+    args = request.get("args") or {}
+    netconf = request.get("netconf") or {}
+    ips = request.get("ips") or []
+    if not isinstance(netns, str) or not isinstance(args, dict) \
+            or not isinstance(netconf, dict) or not isinstance(ips, list):
+        raise CniFailure(p.ERR_BAD_REQUEST, "request fields have the wrong types")
+    if netns and (not os.path.isabs(netns) or ".." in netns.split("/")):
+        raise CniFailure(p.ERR_INVALID_ENV, f"netns path {netns!r} is not a clean absolute path")
+    return CniRequest(
+        command=command, container_id=ContainerId(cid), netns=netns,
+        ifname=str(request.get("ifname") or ""),
+        args={str(k): str(v) for k, v in args.items()}, netconf=netconf,
+        ips=tuple(str(i) for i in ips))
