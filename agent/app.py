@@ -525,14 +525,10 @@ class Agent:
             self.dataplane.check_netns(pod.kubelet_netns)
         except NetnsError as e:
             return f"sandbox process gone: {e}"
-        try:
-            pin_ok = self.dataplane.netns_state(pod.netns) == "netns"
-            if pin_ok:
-                same = self.dataplane.identity(pod.netns) == self.dataplane.identity(
-                    pod.kubelet_netns)
-                return "" if same else "the sandbox pid now belongs to another netns"
-        except OSError as e:
-            return f"netns unreadable: {e.strerror or e}"
+        if self.dataplane.netns_state(pod.netns) == "netns":  # the pin holds
+            same = self.dataplane.identity(pod.netns) == self.dataplane.identity(
+                pod.kubelet_netns)
+            return "" if same else "the sandbox pid now belongs to another netns"
         try:
             live = self.dataplane.live_fingerprint(pod.kubelet_netns)
         except DATAPLANE_ERRORS as e:

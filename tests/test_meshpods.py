@@ -330,3 +330,24 @@ def test_a_delete_leaves_its_connection_clean_for_the_next_call(server: FakeApiS
         raw.delete("apps", name, live["metadata"]["uid"])
         assert f"apps/{name}" not in stored_records(server)
     assert raw.list_owned(record.owned_selector(NODE)) == []
+
+
+def test_done_closes_a_connection_whose_body_cannot_be_read() -> None:
+    from agent.kube import done
+
+    class Resp:
+        closed = released = False
+
+        @property
+        def data(self) -> bytes:
+            raise ConnectionResetError("cut mid-body")
+
+        def close(self) -> None:
+            self.closed = True
+
+        def release_conn(self) -> None:
+            self.released = True
+
+    r = Resp()
+    done(r)  # the call's answer was already a success: no exception for the caller
+    assert r.closed and r.released

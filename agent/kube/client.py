@@ -54,8 +54,10 @@ def done(resp: Any) -> None:
     (``BadStatusLine('{"apiVersion": …')``): a failed call, or one silent retry spent."""
     try:
         resp.data  # noqa: B018 - reading it is the point (cached once read)
-    finally:
-        resp.release_conn()
+    except Exception:  # noqa: BLE001 - the call succeeded; a body cut short is not its error
+        abandon(resp)  # but that connection must not be reused
+        return
+    resp.release_conn()
 
 
 def abandon(resp: Any) -> None:
