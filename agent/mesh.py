@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
@@ -27,6 +27,7 @@ from agent.scope.routes import Route
 from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
+from agent.source.objects import ReferenceGrantObject
 from agent.source.pace import breathe
 
 log = logging.getLogger("aether.mesh")
@@ -194,9 +195,15 @@ class MeshRuntime:
                 out.append(route if parents == route.parents else replace(route, parents=parents))
         return out
 
+    def _tables(self) -> GammaResult:
+        """The GAMMA route tables (and statuses) of the routes we own, ReferenceGrants
+        enforced."""
+        grants = cast(list[ReferenceGrantObject], self.objects.of_kind("ReferenceGrant"))
+        return build_tables(self.owned_routes(), self.model.services.get,
+                            reference_grants=grants)
+
     def compute_gamma(self) -> Any:
-        result = build_tables(self.owned_routes(), self.model.services.get,
-                              reference_grants=self.objects.of_kind("ReferenceGrant"))
+        result = self._tables()
         old = self.gamma
         if old is not None and old.tables == result.tables:
             old.statuses, old.conflicts = result.statuses, result.conflicts
@@ -207,8 +214,7 @@ class MeshRuntime:
     def route_statuses(self) -> list[ParentStatus]:
         """GAMMA route status for the parents aether owns, from the same tables the proxy is
         given (so status says what the data plane does)."""
-        result = build_tables(self.owned_routes(), self.model.services.get,
-                              reference_grants=self.objects.of_kind("ReferenceGrant"))
+        result = self._tables()
         return adopt_records(result.statuses, self.objects, self.controller_name)
 
     def publish_now(self) -> None:

@@ -170,7 +170,7 @@ class CniHandler:
                 else:
                     self._gc(request.get("netconf") or {})
                 return CniAnswer(True)
-            req = self._validate(request)
+            req = request_mod.to_request(request)
             with self._pod_lock(req.container_id):
                 if req.command == "ADD":
                     outcome = "ok" if self._add(req) else "skipped"
@@ -200,10 +200,6 @@ class CniHandler:
             log.debug("CNI %s took %.1f ms", command, took * 1000)
             if self.metrics is not None:
                 self.metrics.observe_cni(command, took, outcome)
-
-    # -- validation ----------------------------------------------------------------------
-    def _validate(self, request: Any) -> CniRequest:
-        return request_mod.to_request(request)
 
     # -- STATUS and GC (CNI 1.1) ----------------------------------------------------------
     def _status(self) -> None:

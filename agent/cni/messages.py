@@ -1,8 +1,8 @@
 """A CNI request and answer as the agent's handler works with them: validated once, frozen,
 typed.
 
-The wire form (``{"command", "container_id", "netns", ...}`` from the request parser,
-agent.cni.request) becomes a ``CniRequest`` in ``CniHandler._validate``; the handler's own
+The wire form (``{"command", "container_id", "netns", ...}``) becomes a ``CniRequest`` in
+the request parser (``agent.cni.request.to_request``); the handler's own
 paths that act like a CNI call (GC releasing an attachment, live enrollment capturing a
 running pod) build one too. Pure.
 """
@@ -54,4 +54,3 @@ class CniAnswer:
         if self.ok:
             return {"ok": True}
         return {"ok": False, "code": self.code, "msg": self.msg, "details": self.details}
-

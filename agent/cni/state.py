@@ -97,8 +97,8 @@ class SeenPod:
     seen_at: float = 0.0
 
     @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
+    def key(self) -> PodKey:
+        return pod_key(self.namespace, self.name)
 
 
 TEMP_PREFIX = ".pod."

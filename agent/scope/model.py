@@ -329,11 +329,12 @@ class MeshModel:
         if kind == "XBackendTrafficPolicy":
             key = f"{ns}/{name}"
             before = set(policy_targets(self._backend_policies.get(key) or {}))
+            policy = cast(BackendTrafficPolicyObject, obj)
             if deleted:
                 self._backend_policies.pop(key, None)
             else:
-                self._backend_policies[key] = cast(BackendTrafficPolicyObject, obj)
-            return before | set(policy_targets(cast(BackendTrafficPolicyObject, obj)))
+                self._backend_policies[key] = policy
+            return before | set(policy_targets(policy))
         if kind in ROUTE_KINDS:
             if deleted:
                 targets = self.routes.remove(kind, ns, name)

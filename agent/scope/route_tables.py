@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from agent.scope import durations
 from agent.scope.routes import ParentRef, Route
 from agent.scope.services import ServicePort
+from agent.source.objects import ReferenceGrantObject
 
 HTTP_ROUTE = "HTTPRoute"
 GRPC_ROUTE = "GRPCRoute"
@@ -418,7 +419,7 @@ class _RefProblem:
 class _Resolver:
     """backendRef → Backend, recording ResolvedRefs problems per route."""
 
-    def __init__(self, services: ServiceLookup, grants: list[dict[str, Any]] | None) -> None:
+    def __init__(self, services: ServiceLookup, grants: list[ReferenceGrantObject] | None) -> None:
         self.services = services
         self.grants = grants
 
@@ -681,7 +682,7 @@ def _parent_ports(parent: ParentRef, svc: Any) -> list[int]:
 
 
 def build_tables(routes: Iterable[Route], services: ServiceLookup, *,
-                 reference_grants: Iterable[dict[str, Any]] | None = None) -> GammaResult:
+                 reference_grants: Iterable[ReferenceGrantObject] | None = None) -> GammaResult:
     """Every route attached to a Service parent → tables, statuses and conflicts.
 
     ``services`` maps ``<ns>/<name>`` to a Service (or ServiceView), as a Mapping or a lookup

@@ -5,8 +5,9 @@ Every key is optional (``total=False``): objects come from the API or a manifest
 the parsers (``agent.scope.services``, ``routes``, ``registry``, ``agent.source.model``)
 treat a missing or mistyped field as absent rather than trusting the declared shape. What a
 TypedDict here says is which fields the agent depends on — a field not listed is not read.
-The store hands objects around as plain dicts; the parse functions take these types, so
-callers ``cast`` at the one place an object enters the model.
+The store hands objects around as plain dicts; the parse functions take these types, and an
+object is ``cast`` where it leaves the store for one of them (``MeshModel._apply``, the
+watcher's slim transforms, the GAMMA route tables' ReferenceGrants).
 """
 
 from __future__ import annotations
@@ -83,12 +84,6 @@ class PodObject(TypedDict, total=False):
     status: PodStatus
 
 
-class NamespaceObject(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
-
-
 class NodeObject(TypedDict, total=False):
     apiVersion: str
     kind: str
@@ -141,17 +136,13 @@ class EndpointConditions(TypedDict, total=False):
     terminating: bool
 
 
-class ForZone(TypedDict, total=False):
-    name: str
-
-
-class ForNode(TypedDict, total=False):
-    name: str
+class HintTarget(TypedDict, total=False):
+    name: str  # a zone (forZones) or a node (forNodes)
 
 
 class EndpointHints(TypedDict, total=False):
-    forZones: list[ForZone]
-    forNodes: list[ForNode]
+    forZones: list[HintTarget]
+    forNodes: list[HintTarget]
 
 
 class ObjectReference(TypedDict, total=False):
@@ -244,9 +235,9 @@ class ReferenceGrantTo(TypedDict, total=False):
     name: str
 
 
-class ReferenceGrantSpec(TypedDict, total=False):
-    # "from" is a Python keyword: the key is read as obj["spec"].get("from")
-    to: list[ReferenceGrantTo]
+# "from" is a Python keyword: the functional form declares it
+ReferenceGrantSpec = TypedDict("ReferenceGrantSpec", {
+    "from": list[ReferenceGrantFrom], "to": list[ReferenceGrantTo]}, total=False)
 
 
 class ReferenceGrantObject(TypedDict, total=False):
