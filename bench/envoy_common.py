@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import time
+import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +86,8 @@ class ServerEnvoy:
 
     def __init__(self, workdir: str, body_bytes: int = 1024, workers: int = 1,
                  port: int | None = None, netns_name: str | None = None,
-                 codec: str = "HTTP1", name: str = "server-envoy", grpc: bool = False) -> None:
+                 codec: str = "HTTP1", name: str = "server-envoy", grpc: bool = False,
+                 bootstrap: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.port = port or free_port()
         # inside a pod's netns instead of the host's (a mesh pod's server)
         self.prefix = ["ip", "netns", "exec", netns_name] if netns_name else []
@@ -93,14 +96,17 @@ class ServerEnvoy:
         self.workers = workers
         self.codec = codec  # "AUTO" also serves h2c prior knowledge
         self.grpc = grpc
+        # another Envoy than the static server (the sidecar): its bootstrap, given the
+        # admin socket path
+        self.bootstrap = bootstrap
         self.config = os.path.join(workdir, f"{name}.json")
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> ServerEnvoy:
         with open(self.config, "w") as f:
-            json.dump(_server_bootstrap(self.port, self.admin, self.body_bytes, self.codec,
-                                        self.grpc), f)
+            json.dump(self.bootstrap(self.admin) if self.bootstrap else _server_bootstrap(
+                self.port, self.admin, self.body_bytes, self.codec, self.grpc), f)
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [*self.prefix, find_envoy_binary(), "-c", self.config, "--concurrency", str(self.workers),
@@ -117,6 +123,10 @@ class ServerEnvoy:
             time.sleep(0.1)
         raise RuntimeError(f"server envoy not ready after {timeout:.0f}s: {self.logs()}")
 
+    def stat(self, name: str) -> int:
+        """One counter of this Envoy's (0 when it has none by that name)."""
+        return counter(admin_request(self.admin, "GET", stats_path(name), timeout=5)[1], name)
+
     def requests(self) -> int:
         """Requests this server has answered (its HCM's counter)."""
         body = admin_request(self.admin, "GET", "/stats?filter=^http.bench_server.downstream_rq_total$")[1]
@@ -132,6 +142,20 @@ class ServerEnvoy:
 
     def stop(self) -> None:
         terminate(self.proc)
+
+
+def stats_path(name: str) -> str:
+    """The admin path that asks for exactly one stat."""
+    return "/stats?filter=" + urllib.parse.quote(f"^{name}$")
+
+
+def counter(stats_text: str, name: str) -> int:
+    """``name``'s value in an admin ``/stats`` answer (0 when absent)."""
+    for line in stats_text.splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
 
 
 def terminate(proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:

@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -67,7 +66,14 @@ from bench.common import (
     progress,
     timed_run,
 )
-from bench.envoy_common import ServerEnvoy, WrkResult, envoy_version, run_wrk
+from bench.envoy_common import (
+    ServerEnvoy,
+    WrkResult,
+    counter,
+    envoy_version,
+    run_wrk,
+    stats_path,
+)
 
 NAMESPACE = "bench"
 EXCLUDE_ANNOTATION = "capture.aether.io/exclude-outbound-ip-ranges"
@@ -260,12 +266,7 @@ class Phase:
             raise
 
     def stat(self, name: str) -> int:
-        text = self.admin_get("/stats?filter=" + urllib.parse.quote(f"^{name}$"))
-        for line in text.splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return int(value)
-        return 0
+        return counter(self.admin_get(stats_path(name)), name)
 
     def listeners(self) -> set[str]:
         return {ln.split("::")[0] for ln in self.admin_get("/listeners").splitlines() if ln}

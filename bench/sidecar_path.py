@@ -31,7 +31,6 @@ No target: this benchmark is the comparison the issue asks to show, not a gate. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -45,7 +44,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.envoy.supervisor import admin_request, find_envoy_binary
 from agent.netns.pin import release_mounts_under
 from bench.common import Pod, dumps, machine_info, progress
 from bench.envoy_common import (
@@ -54,7 +52,6 @@ from bench.envoy_common import (
     envoy_version,
     grpc_message,
     run_wrk,
-    terminate,
 )
 from bench.envoy_path import (
     BODY_BYTES,
@@ -170,55 +167,32 @@ def sidecar_bootstrap(admin: str, server_ip: str, server_port: int,
 
 
 class Sidecar:
-    """An Envoy started inside one pod's netns, and the nft table that sends it the pod's
-    outbound TCP."""
+    """An Envoy started inside one pod's netns (the benchmark's Envoy runner, with the
+    sidecar's bootstrap), and the nft table that sends it the pod's outbound TCP."""
 
-    def __init__(self, workdir: str, pod: Pod) -> None:
+    def __init__(self, workdir: str, pod: Pod, server_ip: str, server_port: int,
+                 grpc_port: int) -> None:
         self.pod = pod
-        self.admin = os.path.join(workdir, "sidecar-admin.sock")
-        self.config = os.path.join(workdir, "sidecar.json")
-        self.log_path = os.path.join(workdir, "sidecar.log")
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.envoy = ServerEnvoy(workdir, netns_name=pod.netns_name, name="sidecar",
+                                 bootstrap=lambda admin: sidecar_bootstrap(
+                                     admin, server_ip, server_port, grpc_port))
 
-    def start(self, server_ip: str, server_port: int, grpc_port: int,
-              timeout: float = 30.0) -> None:
-        with open(self.config, "w") as f:
-            json.dump(sidecar_bootstrap(self.admin, server_ip, server_port, grpc_port), f)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.pod.netns_name, find_envoy_binary(), "-c", self.config,
-             "--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"],
-            stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar envoy exited {self.proc.returncode}")
-            try:
-                if admin_request(self.admin, "GET", "/ready", timeout=1)[1].strip() == "LIVE":
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("sidecar envoy not ready")
-            time.sleep(0.1)
+    def start(self) -> None:
+        self.envoy.start()
         # rules last: until the listener is up, the pod's traffic goes direct
         subprocess.run(["ip", "netns", "exec", self.pod.netns_name, "nft", "-f", "-"],
                        input=sidecar_nft(), text=True, check=True, timeout=30)
 
     def pid(self) -> int | None:
         """The Envoy process (`ip netns exec` execs it, so the Popen pid is Envoy's)."""
-        return self.proc.pid if self.proc and self.proc.poll() is None else None
+        proc = self.envoy.proc
+        return proc.pid if proc and proc.poll() is None else None
 
     def stat(self, name: str) -> int:
-        body = admin_request(self.admin, "GET", f"/stats?filter=^{name}$", timeout=5)[1]
-        for line in body.splitlines():
-            key, _, value = line.partition(": ")
-            if key == name:
-                return int(value)
-        return 0
+        return self.envoy.stat(name)
 
     def stop(self) -> None:
-        terminate(self.proc)
+        self.envoy.stop()
 
 
 @dataclass
@@ -440,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     side_pod = node.kubelet.new_pod("bench", "wrk-sidecar")  # never ADDed to aether
     server = ServerEnvoy(root, BODY_BYTES)
     grpc_server = ServerEnvoy(root, BODY_BYTES, codec="AUTO", name="grpc-server", grpc=True)
-    sidecar = Sidecar(root, side_pod)
+    sidecar = Sidecar(root, side_pod, node.gw4, server.port, grpc_server.port)
     node.agent.write("bench-routed.yaml", routed_manifest(node.gw4, server.port)
                      + grpc_manifest(node.gw4, grpc_server.port))
     ok = False
@@ -451,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         node.add_untimed(cap)
         node.add_untimed(direct)
         node.prepare([side_pod])
-        sidecar.start(node.gw4, server.port, grpc_server.port)
+        sidecar.start()
         pods = {"direct": direct, "node": cap, "sidecar": side_pod}
         for pod in pods.values():
             _client_sysctls(pod)
