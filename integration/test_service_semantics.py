@@ -276,6 +276,60 @@ def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
                 e.shutdown()
 
 
+def _hinted_slice(node: EnvoyNode, hints: dict[str, dict[str, list[str]]]) -> None:
+    """Service web's EndpointSlice as the controller writes it, with these hints per address."""
+    node.agent.write("slice-web.yaml", [{
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "web-h1", "namespace": "app",
+                     "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True},
+                       "hints": {k: [{"name": n} for n in v] for k, v in h.items()}}
+                      for ip, h in hints.items()]}])
+
+
+def test_endpoint_slice_hints_steer_as_kube_proxy_reads_them(workdir: str,
+                                                             bridge_name: str) -> None:
+    """EndpointSlice hints decide, as they do for kube-proxy: hinted forZones zone-a (ours),
+    the endpoint in zone-b takes every connection and the one here none; forNodes naming
+    this node turns it round; once the hinted endpoint is not ready, the other takes over."""
+    from integration.conftest import GW4
+    with running(EnvoyNode(workdir, bridge_name)) as node:
+        node.agent.write("nodes.yaml", [
+            {"apiVersion": "v1", "kind": "Node",
+             "metadata": {"name": n, "labels": {"topology.kubernetes.io/zone": z}}}
+            for n, z in (("test-node", "zone-a"), ("far-node", "zone-b"))])
+        _service(node, {})
+        node.agent.write("pod-far.yaml", [{
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "web-far", "namespace": "app", "uid": "u-web-far",
+                         "labels": {"app": "web"}},
+            "spec": {"nodeName": "far-node"},
+            "status": {"podIP": GW4, "podIPs": [{"ip": GW4}], "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}])
+        servers, client, echo = _backends(node, 1)
+        far = http_echo_server(f"/proc/{os.getpid()}/ns/net", GW4, 8080, "web-far")
+        here = servers[0].ip()
+        try:
+            _until(lambda: set(_who(client.netns, 12)) == {"web-0", "web-far"},
+                   "without hints both endpoints were not used")
+            _hinted_slice(node, {here: {"forZones": ["zone-b"]},
+                                 GW4: {"forZones": ["zone-a"]}})
+            _until(lambda: _who(client.netns, 20) == Counter({"web-far": 20}),
+                   "the zone hints did not send every connection to the hinted endpoint")
+            _hinted_slice(node, {here: {"forZones": ["zone-a"], "forNodes": ["test-node"]},
+                                 GW4: {"forZones": ["zone-b"], "forNodes": ["far-node"]}})
+            _until(lambda: _who(client.netns, 20) == Counter({"web-0": 20}),
+                   "the node hints did not send every connection to this node's endpoint")
+            _pod_state(node, servers[0], ready=False)
+            _until(lambda: _who(client.netns, 10) == Counter({"web-far": 10}),
+                   "no fallback when the hinted endpoint was not ready")
+        finally:
+            far.shutdown()
+            for e in echo:
+                e.shutdown()
+
+
 def _cluster_thresholds(node: EnvoyNode, name: str) -> dict[str, Any] | None:
     dump = json.loads(node.admin("/config_dump?resource=dynamic_active_clusters"))
     for c in dump.get("configs", []):

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from agent.scope.deps import DependencySet, parse_dependencies
-from agent.scope.model import MeshModel
+from agent.scope.model import MeshModel, hint_mode
 from agent.scope.routes import route_from_object
 from agent.scope.services import service_from_object
 from agent.source.base import WatchEvent
@@ -504,6 +504,65 @@ def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -
     s["spec"]["trafficDistribution"] = "PreferSameNode"
     add(model, s)
     assert preferred() == {"10.0.1.2": False, "10.0.1.3": False}
+
+
+def _hinted_slice(hints: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
+    """Service web's EndpointSlice: one endpoint per address, with the hints given for it
+    ({"forZones": [...], "forNodes": [...]})."""
+    eps = [{"addresses": [ip], "conditions": {"ready": True},
+            **({"hints": {k: [{"name": n} for n in v] for k, v in h.items()}} if h else {})}
+           for ip, h in hints.items()]
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "web-x1", "namespace": "apps",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 80}], "endpoints": eps}
+
+
+def test_endpoint_slice_hints_decide_what_is_preferred(model: MeshModel) -> None:
+    """Hints as kube-proxy reads them: forNodes when every ready endpoint has one and one
+    names this node; else forZones when every one has a zone hint and one names this node's
+    zone (even an endpoint of another zone, as the controller balances zones); else
+    trafficDistribution's own reading (here none: all preferred)."""
+    add(model, ns("apps"), _node(NODE, "z1"), _node("node-b", "z1"), _node("node-c", "z2"),
+        svc("web", selector={"app": "web"}),
+        pod("w-b", ips=("10.0.1.2",), node="node-b", labels={"app": "web"}),
+        pod("w-c", ips=("10.0.1.3",), node="node-c", labels={"app": "web"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
+
+    def preferred() -> dict[str, bool]:
+        [view] = model.in_scope_services()
+        return {e.ip: e.preferred for e in view.endpoints[80]}
+
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}
+    zones = {"10.0.1.2": {"forZones": ["z2"]}, "10.0.1.3": {"forZones": ["z1"]}}
+    assert add(model, _hinted_slice(zones)) == {"apps/web"}
+    assert preferred() == {"10.0.1.2": False, "10.0.1.3": True}  # the hint, not the zone
+    both = {"10.0.1.2": {"forZones": ["z1"], "forNodes": [NODE]},
+            "10.0.1.3": {"forZones": ["z1"], "forNodes": ["node-c"]}}
+    add(model, _hinted_slice(both))
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": False}  # forNodes first
+    partial = {"10.0.1.2": {"forZones": ["z2"]}, "10.0.1.3": {}}
+    add(model, _hinted_slice(partial))
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}  # one without: ignored
+    nobody = {"10.0.1.2": {"forZones": ["z2"]}, "10.0.1.3": {"forZones": ["z3"]}}
+    add(model, _hinted_slice(nobody))
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}  # none for z1: ignored
+    add(model, _hinted_slice(zones))
+    assert add(model, _node(NODE, "z2")) == {"apps/web"}  # our zone moved: re-read
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": False}
+    assert delete(model, _hinted_slice(zones)) == {"apps/web"}
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}
+
+
+def test_hint_mode_counts_only_what_it_is_given() -> None:
+    z = (frozenset({"z1"}), frozenset())
+    n = (frozenset({"z1"}), frozenset({"n1"}))
+    assert hint_mode([], "n1", "z1") == ""
+    assert hint_mode([z, z], "n1", "z1") == "zone"
+    assert hint_mode([z, z], "n1", "") == ""  # this node's zone unknown
+    assert hint_mode([n, z], "n1", "z1") == "zone"  # one without a node hint
+    assert hint_mode([n, n], "n1", "z9") == "node"
+    assert hint_mode([n, n], "n2", "z1") == "zone"
 
 
 def _btp(name: str, target: str, percent: int, count: int | None = None,

@@ -26,6 +26,7 @@ from agent.scope.services import (
     ServiceCatalog,
     ServicePort,
     TrafficPolicy,
+    canonical_ip,
     policy_targets,
     retry_constraint,
     service_from_object,
@@ -102,6 +103,38 @@ class _Slice:
     pods: set[str]
     ips: set[str]
     ports: dict[str, int]
+    # address → (forZones, forNodes) of the endpoints the EndpointSlice controller hinted
+    hints: dict[str, Hint] = field(default_factory=dict)
+
+
+#: An endpoint's EndpointSlice hints: the zones and the nodes it is meant for.
+Hint = tuple[frozenset[str], frozenset[str]]
+_NO_HINT: Hint = (frozenset(), frozenset())
+
+
+def _hint(ep: dict[str, Any]) -> Hint | None:
+    """An endpoint's ``hints.forZones`` / ``hints.forNodes`` names, None without either."""
+    hints = ep.get("hints")
+    if not isinstance(hints, dict):
+        return None
+    zones, nodes = (frozenset(str(h.get("name")) for h in hints.get(k) or []
+                              if isinstance(h, dict) and h.get("name"))
+                    for k in ("forZones", "forNodes"))
+    return (zones, nodes) if zones or nodes else None
+
+
+def hint_mode(hints: list[Hint], node: str, zone: str) -> str:
+    """kube-proxy's reading of the hints of a Service port's ready endpoints: "node" when
+    every one has a node hint and one is for this node, else "zone" when every one has a
+    zone hint and one is for this node's zone, else "" (the hints say nothing usable: an
+    endpoint without them, or none meant for us)."""
+    if not hints:
+        return ""
+    if all(h[1] for h in hints) and any(node in h[1] for h in hints):
+        return "node"
+    if zone and all(h[0] for h in hints) and any(zone in h[0] for h in hints):
+        return "zone"
+    return ""
 
 
 SCOPE_CHANGED = "*scope*"  # in a deferred result: the served set may have moved
@@ -136,6 +169,8 @@ class MeshModel:
         self._slices: dict[str, _Slice] = {}  # "<ns>/<slice>" → refs
         self._slices_by_svc: dict[str, set[str]] = {}
         self._slice_ports: dict[str, dict[str, int]] = {}
+        # Service → address → hints, for the Services whose slices carry any
+        self._slice_hints: dict[str, dict[str, Hint]] = {}
         self._in_mesh: set[str] = set()
         self._scope: set[str] = set()
         self._scope_dirty = False
@@ -397,8 +432,9 @@ class MeshModel:
         else:
             self._zones.pop(name, None)
         keys = self.services.keys()
-        return {k for k in keys
-                if (svc := self.services.get(k)) is not None and svc.traffic.prefer == "zone"}
+        hinted = set(self._slice_hints) if name == self.node_name else set()
+        return hinted | {k for k in keys if (svc := self.services.get(k)) is not None
+                         and svc.traffic.prefer == "zone"}
 
     def _preferred(self, svc: Service, rec: Any) -> bool:
         """Whether trafficDistribution prefers this endpoint for callers on this node. A
@@ -409,6 +445,22 @@ class MeshModel:
             mine = self._zones.get(self.node_name, "")
             return not mine or self._zones.get(rec.node_name or "", "") == mine
         return True
+
+    def _by_hints(self, eps: list[Endpoint], hints: dict[str, Hint]) -> list[Endpoint]:
+        """EndpointSlice hints, where they say something, decide which endpoints are
+        preferred, as they decide for kube-proxy (the controller may hint an endpoint of
+        another zone to ours, to balance zones by capacity); where they do not (an endpoint
+        without them, none meant for this node or zone) trafficDistribution's own reading
+        stays. kube-proxy drops the endpoints not hinted for us; here they stay behind the
+        hinted ones as a fallback priority, used only if those fail."""
+        ready = [hints.get(ep.ip, _NO_HINT) for ep in eps
+                 if ep.ready and (ep.always_ready or not ep.draining)]
+        mode = hint_mode(ready, self.node_name, self._zones.get(self.node_name, ""))
+        if not mode:
+            return eps
+        which = 1 if mode == "node" else 0
+        mine = self.node_name if mode == "node" else self._zones.get(self.node_name, "")
+        return [replace(ep, preferred=mine in hints.get(ep.ip, _NO_HINT)[which]) for ep in eps]
 
     def _apply_service(self, ns: str, name: str, svc: Service | None) -> set[str]:
         key = f"{ns}/{name}"
@@ -442,7 +494,10 @@ class MeshModel:
                     ref = ep.get("targetRef") or {}
                     if ref.get("kind") == "Pod" and ref.get("name"):
                         sl.pods.add(f"{ref.get('namespace') or ns}/{ref['name']}")
-                    sl.ips |= {str(a) for a in ep.get("addresses") or []}
+                    addresses = [str(a) for a in ep.get("addresses") or []]
+                    sl.ips.update(addresses)
+                    if (hint := _hint(ep)) is not None:
+                        sl.hints.update((canonical_ip(a) or a, hint) for a in addresses)
                 self._slices[skey] = sl
                 self._slices_by_svc.setdefault(sl.service, set()).add(skey)
         affected: set[str] = set()
@@ -460,6 +515,15 @@ class MeshModel:
                 self._slice_ports[svc] = ports
                 svc_obj = self.services.get(svc)
                 changed = changed or (svc_obj is not None and svc_obj.selector is None)
+            hints: dict[str, Hint] = {}
+            for s in slices:
+                hints.update(s.hints)
+            if hints != self._slice_hints.get(svc, {}):
+                if hints:
+                    self._slice_hints[svc] = hints
+                else:
+                    self._slice_hints.pop(svc, None)
+                changed = True
             if changed:
                 affected.add(svc)
         return affected
@@ -552,7 +616,8 @@ class MeshModel:
                     for ip in rec.ips
                     if not families or (6 if ":" in ip else 4) in families
                 )
-            endpoints[sp.port] = tuple(eps)
+            hinted = self._slice_hints.get(key)
+            endpoints[sp.port] = tuple(self._by_hints(eps, hinted) if hinted else eps)
         view = ServiceView(
             key=key,
             namespace=svc.namespace,
