@@ -40,6 +40,9 @@ from agent.source.objects import (
     RouteObject,
     ServiceObject,
 )
+from agent.source.objects import (
+    Endpoint as SliceEndpoint,
+)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 #: ``agent.meshpods.record.KIND``: another node's pod as its agent published it (the source
@@ -112,14 +115,15 @@ Hint = tuple[frozenset[str], frozenset[str]]
 _NO_HINT: Hint = (frozenset(), frozenset())
 
 
-def _hint(ep: dict[str, Any]) -> Hint | None:
+def _hint(ep: SliceEndpoint) -> Hint | None:
     """An endpoint's ``hints.forZones`` / ``hints.forNodes`` names, None without either."""
     hints = ep.get("hints")
     if not isinstance(hints, dict):
         return None
-    zones, nodes = (frozenset(str(h.get("name")) for h in hints.get(k) or []
-                              if isinstance(h, dict) and h.get("name"))
-                    for k in ("forZones", "forNodes"))
+    zones = frozenset(str(h.get("name")) for h in hints.get("forZones") or []
+                      if isinstance(h, dict) and h.get("name"))
+    nodes = frozenset(str(h.get("name")) for h in hints.get("forNodes") or []
+                      if isinstance(h, dict) and h.get("name"))
     return (zones, nodes) if zones or nodes else None
 
 
