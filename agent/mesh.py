@@ -199,7 +199,7 @@ class MeshRuntime:
         """The GAMMA route tables (and statuses) of the routes we own, ReferenceGrants
         enforced."""
         grants = cast(list[ReferenceGrantObject], self.objects.of_kind("ReferenceGrant"))
-        return build_tables(self.owned_routes(), self.model.services.get,
+        return build_tables(self.owned_routes(), self.model.service_with_policies,
                             reference_grants=grants)
 
     def compute_gamma(self) -> Any:

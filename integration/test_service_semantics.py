@@ -664,3 +664,60 @@ def test_session_persistence_keeps_a_session_on_one_endpoint(enode: EnvoyNode) -
     finally:
         for e in echo:
             e.shutdown()
+
+
+def test_route_rule_and_backend_lb_policy_sessions(enode: EnvoyNode) -> None:
+    """An HTTPRoute rule's sessionPersistence keeps a session on one endpoint for that rule
+    only (its cookie's Path is the rule's path; another rule neither sets nor honours it);
+    a BackendLBPolicy on the Service gives the rules without their own a session too, and
+    the rule's own still wins on its path."""
+    _service(enode, {}, app_protocol="http")
+    enode.agent.write("route-web.yaml", [{
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": "web", "namespace": "app",
+                     "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "web", "port": 80}],
+                 "rules": [
+                     {"matches": [{"path": {"type": "PathPrefix", "value": "/cart"}}],
+                      "backendRefs": [{"name": "web", "port": 80}],
+                      "sessionPersistence": {"sessionName": "cart", "type": "Cookie"}},
+                     {"backendRefs": [{"name": "web", "port": 80}]}]}}])
+    servers, client, echo = _backends(enode, 3)
+
+    def get(path: str, headers: dict[str, str] | None = None, count: int = 1
+            ) -> list[tuple[str, dict[str, str]]]:
+        got = http_get_from(client.netns, SVC_IP, 80, path, headers=headers, count=count,
+                            timeout=3)
+        return [(json.loads(b)["pod"] if s == 200 else "-", h) for s, h, b in got]
+
+    def cookie_of(path: str) -> tuple[str, str, str] | None:
+        ((pod, headers),) = get(path)
+        cookie = headers.get("set-cookie", "")
+        return (cookie.split(";")[0], cookie, pod) if cookie.startswith("cart=") else None
+
+    try:
+        cookie, full, pod = _until(lambda: cookie_of("/cart/items"),
+                                   "the rule's session cookie was never set")
+        assert "path=/cart" in full.lower()
+        assert Counter(p for p, _h in get("/cart/x", {"cookie": cookie}, 12)) == Counter({pod: 12})
+        other = get("/", {"cookie": cookie}, 12)
+        assert len({p for p, _h in other}) > 1  # the other rule ignores the cart session
+        assert not any("set-cookie" in h for _p, h in other)
+
+        enode.agent.write("lb.yaml", [{
+            "apiVersion": "gateway.networking.k8s.io/v1alpha2", "kind": "BackendLBPolicy",
+            "metadata": {"name": "web", "namespace": "app"},
+            "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "web"}],
+                     "sessionPersistence": {"sessionName": "x-web-session", "type": "Header"}}}])
+
+        def header_session() -> tuple[str, str] | None:
+            ((p, headers),) = get("/")
+            value = headers.get("x-web-session")
+            return (value, p) if value else None
+        value, pod = _until(header_session, "the BackendLBPolicy session never showed")
+        assert Counter(p for p, _h in get("/", {"x-web-session": value}, 12)) == Counter({pod: 12})
+        ((_p, h),) = get("/cart/y")
+        assert "x-web-session" not in h and h.get("set-cookie", "").startswith("cart=")
+    finally:
+        for e in echo:
+            e.shutdown()

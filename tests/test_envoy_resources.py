@@ -579,24 +579,30 @@ def test_session_persistence_puts_envoys_stateful_session_before_the_router() ->
 
     from agent.scope.services import SessionPersistence, TrafficPolicy
 
-    def http_filters(view: ServiceView) -> list[Any]:
+    def hcm_of(view: ServiceView) -> Any:
         mesh = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"].message()
         (chain,) = [c for c in mesh.filter_chains if c.name.endswith("|http")]
         hcm = hcm_pb2.HttpConnectionManager()
         chain.filters[0].typed_config.Unpack(hcm)
-        return list(hcm.http_filters)
+        return hcm
 
     port = ServicePort(80, "http", target_port=8080, app_protocol="http")
-    plain = http_filters(_view(ports=(port,)))
-    assert [f.name for f in plain] == ["envoy.filters.http.router"]
+    plain = hcm_of(_view(ports=(port,)))
+    assert [f.name for f in plain.http_filters] == ["envoy.filters.http.router"]
     sticky = replace(_view(ports=(port,)), traffic=TrafficPolicy(
         session=SessionPersistence("Cookie", "shop", 3600.0)))
-    filters = http_filters(sticky)
-    assert [f.name for f in filters] == ["envoy.filters.http.stateful_session",
-                                         "envoy.filters.http.router"]
-    cfg = stateful_session_pb2.StatefulSession()
-    filters[0].typed_config.Unpack(cfg)
+    hcm = hcm_of(sticky)
+    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.stateful_session",
+                                                  "envoy.filters.http.router"]
+    empty = stateful_session_pb2.StatefulSession()
+    hcm.http_filters[0].typed_config.Unpack(empty)
+    assert not empty.HasField("session_state")  # only routes that keep sessions do
+    route, no_match = hcm.route_config.virtual_hosts[0].routes
+    per_route = stateful_session_pb2.StatefulSessionPerRoute()
+    route.typed_per_filter_config["envoy.filters.http.stateful_session"].Unpack(per_route)
+    cfg = per_route.stateful_session
     state = cookie_pb2.CookieBasedSessionState()
     cfg.session_state.typed_config.Unpack(state)
     assert (state.cookie.name, state.cookie.ttl.seconds, state.cookie.path) == ("shop", 3600, "/")
+    assert not no_match.typed_per_filter_config
     assert not cfg.strict  # a stale session falls back to the load balancer

@@ -395,6 +395,33 @@ def test_rule_filters_timeouts_retry_and_name() -> None:
     assert rule.retry.backoff_s == pytest.approx(0.1)
 
 
+def test_rule_session_persistence_wins_over_the_backends_policy() -> None:
+    """GEP-1619: a rule's sessionPersistence (its cookie scoped to the match's path) wins;
+    a rule without one takes its backend Service's policy; a type we do not implement
+    makes the rule invalid (not silently unsticky)."""
+    from dataclasses import replace
+
+    from agent.scope.services import SessionPersistence, TrafficPolicy
+    policy = SessionPersistence("Header", "x-shard")
+    svcs = {**SVCS, "ns/v2": replace(SVCS["ns/v2"], traffic=TrafficPolicy(session=policy))}
+    r = route("r", [
+        to("v2", matches=[P("PathPrefix", "/cart")],
+           sessionPersistence={"sessionName": "cart", "type": "Cookie"}),
+        to("v2", matches=[P("PathPrefix", "/shop")]),
+        to("v1", matches=[P("PathPrefix", "/plain")]),
+        to("v1", matches=[{"headers": [{"name": "x-a", "value": "1"}]}],
+           sessionPersistence={"sessionName": "hdr"}),
+    ])
+    res = build_tables([r], svcs)
+    got = {("headers" if rule.match.headers else rule.match.path.value): rule.effective_session
+           for rule in table(res).rules}
+    assert got == {"/cart": SessionPersistence("Cookie", "cart", None, "/cart"),
+                   "/shop": policy, "/plain": None,
+                   "headers": SessionPersistence("Cookie", "hdr", None, "/")}
+    bad = route("bad", [to("v1", sessionPersistence={"type": "Magic"})])
+    assert status(build_tables([bad], SVCS), "bad", "Accepted")[0] == "False"
+
+
 def test_redirect_rule() -> None:
     r = route("r", [{"filters": [{"type": "RequestRedirect", "requestRedirect": {
         "scheme": "https", "hostname": "x.example", "port": 8443, "statusCode": 301,

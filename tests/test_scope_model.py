@@ -627,6 +627,35 @@ def test_backend_traffic_policy_session_persistence(model: MeshModel) -> None:
     assert session_persistence({"spec": {}}) is None
 
 
+def test_backend_lb_policy_session_persistence(model: MeshModel) -> None:
+    """BackendLBPolicy (Gateway API v1alpha2) sets session persistence as
+    XBackendTrafficPolicy does; of both, the older wins; a route's backendRef to the
+    Service is given it (service_with_policies)."""
+    from agent.scope.services import SessionPersistence
+    add(model, ns("apps"), svc("web", selector={"app": "web"}),
+        pod("w", ips=("10.0.1.2",), labels={"app": "web"}),
+        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
+    lb = {"apiVersion": "gateway.networking.k8s.io/v1alpha2", "kind": "BackendLBPolicy",
+          "metadata": {"name": "sticky", "namespace": "apps",
+                       "creationTimestamp": "2026-01-01T00:00:00Z"},
+          "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "web"}],
+                   "sessionPersistence": {"sessionName": "lb", "type": "Header"}}}
+    assert add(model, lb) == {"apps/web"}
+    [view] = model.in_scope_services()
+    assert view.traffic.session == SessionPersistence("Header", "lb")
+    with_policies = model.service_with_policies("apps/web")
+    assert with_policies is not None and with_policies.traffic.session == view.traffic.session
+    newer = _btp("sticky", "web", 20, created="2026-03-01T00:00:00Z")  # same name, other kind
+    newer["spec"]["sessionPersistence"] = {"sessionName": "btp"}
+    add(model, newer)
+    [view] = model.in_scope_services()
+    assert view.traffic.session == SessionPersistence("Header", "lb")  # the older wins
+    assert view.traffic.retry_budget_percent == 20.0  # the other field is the newer's
+    assert delete(model, lb) == {"apps/web"}
+    [view] = model.in_scope_services()
+    assert view.traffic.session == SessionPersistence("Cookie", "btp")
+
+
 def test_an_external_name_service_is_passthrough(model: MeshModel) -> None:
     """ExternalName is DNS only: it gets no chain and no cluster, even with a selector and
     a stray clusterIP in the manifest, so the connection goes wherever the client resolved

@@ -323,8 +323,13 @@ def envoy_routes(rule: Rule, service_port: int, cluster_name: ClusterNameFn,
             routes.append(rc.Route(name=name, match=m, redirect=action))
     else:
         routes.append(rc.Route(name=name, match=match, route=_route_action(rule, cluster_name)))
+    session = rule.effective_session
     for r in routes:
         _apply_headers(r, rule.request_headers, rule.response_headers)
+        if session is not None and r.HasField("route"):
+            per_route = stateful_session_pb2.StatefulSessionPerRoute()
+            per_route.stateful_session.CopyFrom(stateful_session(session))
+            r.typed_per_filter_config[STATEFUL_SESSION_FILTER].Pack(per_route)
     return routes
 
 
@@ -344,7 +349,7 @@ def route_configuration(table: RouteTable, cluster_name: ClusterNameFn, *, name:
 STATEFUL_SESSION_FILTER = "envoy.filters.http.stateful_session"
 
 
-def stateful_session_filter(session: SessionPersistence) -> hcm_pb2.HttpFilter:
+def stateful_session(session: SessionPersistence) -> stateful_session_pb2.StatefulSession:
     """Envoy's stateful session: the answer carries the endpoint (a cookie, or a header the
     client sends back), and a request carrying it goes to that endpoint while it is healthy
     (else the load balancer picks, and the session moves). Not strict: a stale session is
@@ -354,22 +359,28 @@ def stateful_session_filter(session: SessionPersistence) -> hcm_pb2.HttpFilter:
         state = session_header_pb2.HeaderBasedSessionState(name=session.name)
         cfg.session_state.name = "envoy.http.stateful_session.header"
     else:
-        cookie = cookie_pb2.Cookie(name=session.name, path="/")
+        cookie = cookie_pb2.Cookie(name=session.name, path=session.path)
         if session.ttl_s:
             cookie.ttl.CopyFrom(duration(session.ttl_s))
         state = session_cookie_pb2.CookieBasedSessionState(cookie=cookie)
         cfg.session_state.name = "envoy.http.stateful_session.cookie"
     cfg.session_state.typed_config.Pack(state)
+    return cfg
+
+
+def stateful_session_filter() -> hcm_pb2.HttpFilter:
+    """The stateful-session filter with no session of its own: only routes that carry one
+    (``envoy_routes``: the rule's, else its backend Service's) keep sessions."""
     f = hcm_pb2.HttpFilter(name=STATEFUL_SESSION_FILTER)
-    f.typed_config.Pack(cfg)
+    f.typed_config.Pack(stateful_session_pb2.StatefulSession())
     return f
 
 
 def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str | None = None,
-            access_log: Sequence[accesslog_pb2.AccessLog] = (), hosts: Sequence[str] = (),
-            session: SessionPersistence | None = None) -> hcm_pb2.HttpConnectionManager:
+            access_log: Sequence[accesslog_pb2.AccessLog] = (), hosts: Sequence[str] = ()
+            ) -> hcm_pb2.HttpConnectionManager:
     """HCM with the inline route table; codec AUTO serves HTTP/1.1 and h2c prior knowledge.
-    ``session``: the Service's session persistence (before the router)."""
+    The stateful-session filter (before the router) only where a route keeps sessions."""
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix=stat_prefix or table.name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -377,8 +388,8 @@ def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str 
         access_log=list(access_log),
         upgrade_configs=[hcm_pb2.HttpConnectionManager.UpgradeConfig(upgrade_type="websocket")],
     )
-    if session is not None:
-        hcm.http_filters.append(stateful_session_filter(session))
+    if any(rule.effective_session is not None for rule in table.rules):
+        hcm.http_filters.append(stateful_session_filter())
     router = hcm.http_filters.add(name="envoy.filters.http.router")
     # no x-envoy-* headers towards the app or back to the caller: a transparent proxy adds
     # nothing the application did not ask for
@@ -433,7 +444,7 @@ def service_port_chains(view: ServiceView, port: ServicePort, table: RouteTable 
         match.application_protocols.extend(DETECTED_PROTOCOLS)
     chain = http_filter_chain(f"{tcp.name}|http", match,
                               hcm_for(table, cluster_name, access_log=access_log,
-                                      hosts=target_hosts(view), session=view.traffic.session))
+                                      hosts=target_hosts(view)))
     return [chain] if proto == "http" else [chain, tcp]
 
 
@@ -451,7 +462,8 @@ def default_table(view: ServiceView, port: ServicePort) -> RouteTable:
     rule = Rule(kind=HTTP_ROUTE, route_key=f"default|{view.key}", rule_index=0, match_index=0,
                 match=Match(path=PathMatch("PathPrefix", "/")),
                 backends=(Backend(view.namespace, view.name, port.port,
-                                  app_protocol=port.app_protocol),))
+                                  app_protocol=port.app_protocol,
+                                  session=view.traffic.session),))
     return RouteTable(target=view.key, port=port.port, scope=None, kind=HTTP_ROUTE,
                       rules=(rule,), routes=())
 

@@ -45,6 +45,10 @@ from agent.source.objects import (
 )
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+#: Gateway API policies on Services: XBackendTrafficPolicy (retry budget, session
+#: persistence) and its predecessor BackendLBPolicy (session persistence), one pool: on
+#: conflict the oldest of either kind wins.
+BACKEND_POLICY_KINDS = ("XBackendTrafficPolicy", "BackendLBPolicy")
 #: ``agent.meshpods.record.KIND``: another node's pod as its agent published it (the source
 #: stores it as the slim Pod it holds, under this kind).
 REMOTE_POD_KIND = "MeshPod"
@@ -181,7 +185,8 @@ class MeshModel:
         self._views: dict[str, ServiceView] = {}
         # node name → its topology.kubernetes.io/zone (trafficDistribution: PreferSameZone)
         self._zones: dict[str, str] = {}
-        # XBackendTrafficPolicy objects by "<ns>/<name>" (their targets' retry budgets)
+        # XBackendTrafficPolicy objects by "<ns>/<name>", BackendLBPolicy objects by
+        # "<ns>/<name>:BackendLBPolicy" (their targets' retry budgets, session persistence)
         self._backend_policies: dict[str, BackendTrafficPolicyObject] = {}
         # Set by a long-running owner that reads the scope on a debounce (MeshRuntime): scope
         # recomputation then happens once per read instead of once per event.
@@ -365,8 +370,8 @@ class MeshModel:
             return self._apply_slice(ns, name, None if deleted else cast(EndpointSliceObject, obj))
         if kind == "Node":
             return self._apply_node(name, None if deleted else obj)
-        if kind == "XBackendTrafficPolicy":
-            key = f"{ns}/{name}"
+        if kind in BACKEND_POLICY_KINDS:
+            key = f"{ns}/{name}" if kind == "XBackendTrafficPolicy" else f"{ns}/{name}:{kind}"
             before = set(policy_targets(self._backend_policies.get(key) or {}))
             policy = cast(BackendTrafficPolicyObject, obj)
             if deleted:
@@ -402,11 +407,19 @@ class MeshModel:
             svcs, pods = self.registry.upsert_pod(cast(PodObject, obj))
         return svcs | self._after_pods(pods)
 
+    def service_with_policies(self, key: str) -> Service | None:
+        """A Service with the Gateway API policies on it folded into its traffic fields
+        (what a route's backendRef to it is given: its session persistence)."""
+        with self._lock:
+            svc = self.services.get(key)
+            return None if svc is None else replace(svc, traffic=self._traffic(svc))
+
     def _traffic(self, svc: Service) -> TrafficPolicy:
         """The Service's own traffic fields, with the retry budget of the oldest
-        XBackendTrafficPolicy targeting it and the session persistence of the oldest that
-        sets one (Gateway API: on conflict, the oldest policy by creation time, then by
-        namespace/name, wins), each field on its own."""
+        XBackendTrafficPolicy targeting it and the session persistence of the oldest policy
+        (XBackendTrafficPolicy or BackendLBPolicy) that sets one (Gateway API: on conflict,
+        the oldest policy by creation time, then by namespace/name, wins), each field on its
+        own."""
         policies = sorted(
             ((str((p.get("metadata") or {}).get("creationTimestamp") or ""), k, p)
              for k, p in self._backend_policies.items() if svc.key in policy_targets(p)),

@@ -15,12 +15,12 @@ Alongside the tables come the inputs of the status writer: per (route, parentRef
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from agent.scope import durations
 from agent.scope.routes import ParentRef, Route
-from agent.scope.services import ServicePort
+from agent.scope.services import ServicePort, SessionPersistence, parse_session_persistence
 from agent.source.objects import ReferenceGrantObject
 
 HTTP_ROUTE = "HTTPRoute"
@@ -136,6 +136,8 @@ class Backend:
     response_headers: HeaderModifier | None = None
     host_rewrite: str | None = None
     app_protocol: str | None = None
+    # the backend Service's session persistence (its XBackendTrafficPolicy/BackendLBPolicy)
+    session: SessionPersistence | None = None
 
     @property
     def key(self) -> str:
@@ -181,6 +183,17 @@ class Rule:
     backend_timeout_s: float | None = None
     retry: Retry | None = None
     direct_status: int | None = None
+    # the rule's own sessionPersistence (its cookie scoped to the match's path)
+    session: SessionPersistence | None = None
+
+    @property
+    def effective_session(self) -> SessionPersistence | None:
+        """GEP-1619: the rule's own session persistence wins over its backend's policy;
+        without one, the first routable backend whose Service has a policy gives it."""
+        if self.session is not None:
+            return self.session
+        return next((b.session for b in self.backends
+                     if b.valid and b.weight > 0 and b.session is not None), None)
 
     @property
     def invalid_backend_status(self) -> int:
@@ -472,7 +485,9 @@ class _Resolver:
         sp = _service_port(svc, port)
         if sp is None:
             return bad(R_BACKEND_NOT_FOUND, f"Service {ns}/{name} has no port {port}")
-        return Backend(base.namespace, base.name, port, weight, app_protocol=sp.app_protocol)
+        traffic = getattr(svc, "traffic", None)
+        return Backend(base.namespace, base.name, port, weight, app_protocol=sp.app_protocol,
+                       session=getattr(traffic, "session", None))
 
 
 # ---- building ------------------------------------------------------------------------------
@@ -588,6 +603,10 @@ def _eval_rule(route: Route, ri: int, raw: Any, allowed: set[str], resolver: _Re
     if req_t and be_t and be_t > req_t:
         raise _Invalid(R_UNSUPPORTED, f"rule {ri}: backendRequest timeout longer than request")
     retry = _retry(raw.get("retry"), ri) if not grpc else None
+    try:
+        session = parse_session_persistence(raw.get("sessionPersistence"))
+    except ValueError as e:
+        raise _Invalid(R_UNSUPPORTED, f"rule {ri}: {e}") from None
     status = 503 if grpc else 500
     if direct is None and redirect is None and not any(b.valid and b.weight > 0 for b in backends):
         direct = status  # no backends, all invalid, or all weight 0: nothing may receive traffic
@@ -596,8 +615,18 @@ def _eval_rule(route: Route, ri: int, raw: Any, allowed: set[str], resolver: _Re
                  name=str(name) if name else None, backends=tuple(backends),
                  request_headers=req_h, response_headers=resp_h, redirect=redirect,
                  rewrite=rewrite, mirrors=tuple(mirrors), request_timeout_s=req_t,
-                 backend_timeout_s=be_t, retry=retry, direct_status=direct)
+                 backend_timeout_s=be_t, retry=retry, direct_status=direct,
+                 session=_scoped(session, m))
             for mi, m in enumerate(matches)]
+
+
+def _scoped(session: SessionPersistence | None, match: Match) -> SessionPersistence | None:
+    """A rule's session cookie is scoped to its match's path (an Exact or PathPrefix
+    match; "/" otherwise), so two rules' sessions of one name do not overwrite each other."""
+    if session is None or session.kind != "Cookie" or match.path is None \
+            or match.path.kind not in ("Exact", "PathPrefix"):
+        return session
+    return replace(session, path=match.path.value or "/")
 
 
 def _retry(raw: Any, ri: int) -> Retry | None:
@@ -645,8 +674,7 @@ def _backend_with_filters(route: Route, ri: int, ref: Any, resolver: _Resolver,
         else:
             raise _Invalid(R_UNSUPPORTED, f"rule {ri}: backendRef-level filter {ftype!r} "
                                           "is not supported")
-    return Backend(b.namespace, b.name, b.port, b.weight, b.valid, b.reason, b.message,
-                   req_h, resp_h, host, b.app_protocol)
+    return replace(b, request_headers=req_h, response_headers=resp_h, host_rewrite=host)
 
 
 def _created_key(route: Route) -> tuple[int, str]:

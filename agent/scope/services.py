@@ -96,6 +96,7 @@ class SessionPersistence:
     kind: str = "Cookie"  # "Cookie" | "Header"
     name: str = SESSION_COOKIE_DEFAULT
     ttl_s: float | None = None
+    path: str = "/"  # the cookie's Path: a route rule's path match, "/" for a policy's
 
 
 def traffic_policy_from_spec(spec: ServiceSpec) -> TrafficPolicy:
@@ -306,17 +307,29 @@ def retry_constraint(policy: BackendTrafficPolicyObject) -> tuple[float | None, 
 
 
 def session_persistence(policy: BackendTrafficPolicyObject) -> SessionPersistence | None:
-    """An XBackendTrafficPolicy's sessionPersistence → ``SessionPersistence``; None when
-    absent or malformed (a type we do not implement is no persistence, not a guess).
-    ``cookieConfig.lifetimeType: Permanent`` gives the cookie ``absoluteTimeout`` as its
-    lifetime; Session (the default) a session cookie. ``idleTimeout`` has no Envoy
-    counterpart and is not applied."""
-    sp = (policy.get("spec") or {}).get("sessionPersistence")
-    if not isinstance(sp, dict):
+    """An XBackendTrafficPolicy's or BackendLBPolicy's sessionPersistence (see
+    ``parse_session_persistence``); None when absent or malformed (a type we do not
+    implement is no persistence, not a guess)."""
+    try:
+        return parse_session_persistence((policy.get("spec") or {}).get("sessionPersistence"))
+    except ValueError:
         return None
+
+
+def parse_session_persistence(sp: Any) -> SessionPersistence | None:
+    """Gateway API's SessionPersistence → ``SessionPersistence``; None when absent, and
+    ValueError when it asks for what we do not do (a type other than Cookie or Header, or a
+    Permanent cookie without the absoluteTimeout Gateway API requires). ``cookieConfig.
+    lifetimeType: Permanent`` gives the cookie ``absoluteTimeout`` as its lifetime; Session
+    (the default) a session cookie. ``idleTimeout`` has no Envoy counterpart and is not
+    applied."""
+    if sp is None:
+        return None
+    if not isinstance(sp, dict):
+        raise ValueError("sessionPersistence is not an object")
     kind = sp.get("type") or "Cookie"
     if kind not in ("Cookie", "Header"):
-        return None
+        raise ValueError(f"sessionPersistence type {kind!r} is not supported")
     name = sp.get("sessionName")
     if not isinstance(name, str) or not name or len(name) > 128:
         name = SESSION_COOKIE_DEFAULT
@@ -326,7 +339,7 @@ def session_persistence(policy: BackendTrafficPolicyObject) -> SessionPersistenc
     if kind == "Cookie" and lifetime == "Permanent":
         ttl = durations.seconds(sp.get("absoluteTimeout"))
         if not ttl:
-            return None  # Permanent needs a lifetime: Gateway API requires absoluteTimeout
+            raise ValueError("a Permanent session cookie needs absoluteTimeout")
     return SessionPersistence(kind=kind, name=name, ttl_s=ttl)
 
 

@@ -254,7 +254,8 @@ class BackendTrafficPolicySpec(TypedDict, total=False):
 
 
 class BackendTrafficPolicyObject(TypedDict, total=False):
-    """gateway.networking.x-k8s.io XBackendTrafficPolicy."""
+    """gateway.networking.x-k8s.io XBackendTrafficPolicy, and gateway.networking.k8s.io
+    BackendLBPolicy (the same targetRefs and sessionPersistence, no retryConstraint)."""
 
     apiVersion: str
     kind: str

@@ -85,6 +85,8 @@ KIND_SPECS: dict[str, KindSpec] = {
                  "/apis/gateway.networking.k8s.io/v1beta1/referencegrants"),
         KindSpec("XBackendTrafficPolicy", "gateway.networking.x-k8s.io/v1alpha1",
                  "/apis/gateway.networking.x-k8s.io/v1alpha1/xbackendtrafficpolicies"),
+        KindSpec("BackendLBPolicy", "gateway.networking.k8s.io/v1alpha2",
+                 "/apis/gateway.networking.k8s.io/v1alpha2/backendlbpolicies"),
         # remote nodes' pods, as their agents publish them (agent.meshpods)
         KindSpec(MESHPOD_KIND, MESHPOD_API_VERSION, f"/apis/{MESHPOD_API_VERSION}/{PLURAL}"),
     )
