@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -126,8 +125,10 @@ class StateStore:
         self.swept: list[str] = []  # temp files of interrupted writes removed by load()
         self.seen: dict[str, SeenPod] = {}  # uncaptured pods with a netns (live enrollment)
         # container id -> (its record's netns path, that netns' identity), as netns_owner
-        # last read it
+        # last read it; identity -> those container ids; the records not read yet
         self._idents: dict[str, tuple[str, tuple[int, int]]] = {}
+        self._by_ident: dict[tuple[int, int], set[str]] = {}
+        self._unread: set[str] = set()
 
     def _path(self, container_id: str) -> str:
         return os.path.join(self.directory, f"{container_id}.json")
@@ -162,6 +163,7 @@ class StateStore:
         with self._lock:
             self.pods = pods
             self.seen = seen
+            self._idents, self._by_ident, self._unread = {}, {}, set(pods)
 
     # -- uncaptured pods (live enrollment) ----------------------------------------------
     @property
@@ -236,17 +238,30 @@ class StateStore:
 
     def _write_file(self, path: str, data: dict[str, Any], sync: bool,
                     directory: str = "") -> None:
+        """Write ``data`` as JSON to ``path`` atomically (a temp file renamed into place).
+        Every ADD writes twice, so this is a handful of syscalls: the temp name is this
+        thread's own (no random name, no O_EXCL retry loop), created 0600 (no chmod), and
+        the directory is made only when it is missing."""
         directory = directory or self.directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
+        tmp = os.path.join(directory, f"{TEMP_PREFIX}{threading.get_ident()}-"
+                                      f"{os.path.basename(path)}")
+        # dumps, not dump: dump streams through the pure-Python encoder in chunks
+        body = json.dumps(data, sort_keys=True).encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                # dumps, not dump: dump streams through the pure-Python encoder in chunks
-                f.write(json.dumps(data, sort_keys=True))
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view):]
                 if sync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -260,12 +275,13 @@ class StateStore:
         with self._lock:
             self.pods[pod.container_id] = pod
             # a new record may pin a new namespace on the same path
-            self._idents.pop(pod.container_id, None)
+            self._forget_ident(pod.container_id)
+            self._unread.add(pod.container_id)
 
     def remove(self, container_id: str) -> CapturedPod | None:
         with self._lock:
             pod = self.pods.pop(container_id, None)
-            self._idents.pop(container_id, None)
+            self._forget_ident(container_id)
         try:
             os.unlink(self._path(container_id))
         except FileNotFoundError:
@@ -330,27 +346,51 @@ class StateStore:
         so namespaces are compared by identity (`identity(path)` → (st_dev, st_ino), e.g.
         agent.netns.enter.netns_identity); a record whose netns is gone owns nothing.
         """
-        # Every ADD asks this, so it must not stat every record's netns: with 16 ADDs at
-        # once, N short syscalls each handing the GIL back and waiting to get it again made
-        # it the ADD path's bottleneck. Identities are remembered per record (and its path);
-        # only a match is stat'ed again (a namespace that is gone can leave its inode to a
-        # new one). pod.netns, not kubelet_netns: a /proc/<pid> path may name a reused pid.
-        for pod in self.all():
-            cid = pod.container_id
-            if cid == exclude or not pod.netns:
-                continue
-            known = self._idents.get(cid)
-            if known is None or known[0] != pod.netns:
-                try:
-                    known = self._idents[cid] = (pod.netns, identity(pod.netns))
-                except OSError:
+        # Every ADD asks this, so it must neither stat nor visit every record: with 16 ADDs
+        # at once, N short syscalls each handing the GIL back made it the ADD path's
+        # bottleneck, and a Python loop over every record is most of a millisecond at a few
+        # hundred pods. Identities are read once per record (and its path) into an index
+        # by identity; only a match is stat'ed again (a namespace that is gone can leave its
+        # inode to a new one). pod.netns, not kubelet_netns: a /proc/<pid> path may name a
+        # reused pid.
+        with self._lock:
+            todo = [(cid, pod.netns) for cid in self._unread
+                    if (pod := self.pods.get(cid)) is not None and pod.netns]
+            self._unread.intersection_update(c for c, _p in todo)
+        for cid, path in todo:
+            try:
+                ident = identity(path)
+            except OSError:
+                continue  # gone (owns nothing) or unreadable now: asked again next time
+            with self._lock:
+                pod = self.pods.get(cid)
+                if pod is None or pod.netns != path or cid not in self._unread:
                     continue
-            if known[1] != target:
-                continue
+                self._unread.discard(cid)
+                self._idents[cid] = (path, ident)
+                self._by_ident.setdefault(ident, set()).add(cid)
+        with self._lock:
+            candidates = [(cid, pod) for cid in self._by_ident.get(target, ())
+                          if cid != exclude and (pod := self.pods.get(cid)) is not None]
+        for cid, pod in candidates:
             try:
                 if identity(pod.netns) == target:
                     return pod
             except OSError:
                 pass
-            self._idents.pop(cid, None)  # no longer that namespace: read it afresh next time
+            with self._lock:  # no longer that namespace: read it afresh next time
+                if self.pods.get(cid) is pod:
+                    self._forget_ident(cid)
+                    self._unread.add(cid)
         return None
+
+    def _forget_ident(self, cid: str) -> None:
+        """Drop a record from the identity index (caller holds the lock)."""
+        self._unread.discard(cid)
+        known = self._idents.pop(cid, None)
+        if known is not None:
+            owners = self._by_ident.get(known[1])
+            if owners is not None:
+                owners.discard(cid)
+                if not owners:
+                    del self._by_ident[known[1]]

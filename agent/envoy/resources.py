@@ -42,7 +42,8 @@ import hashlib
 import ipaddress
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias
@@ -944,7 +945,22 @@ class ResourceBuilder:
         self._ns_listeners: dict[str, tuple[bytes, tuple[bool, bool, tuple[int, ...]],
                                              RawResource, bytes]] = {}
         self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
-        self._pod_listeners: dict[tuple[Any, ...], listener_pb2.Listener] = {}
+        # Pod listeners, kept up to date by difference (``_pod_part``): an ADD or DEL
+        # touches its own pod's entries, not every pod's. pod -> its (name, listener) pairs
+        self._pod_entries: dict[PodListener, tuple[tuple[str, Any], ...]] = {}
+        self._pod_set: frozenset[PodListener] | None = None
+        self._pod_key: tuple[Any, ...] = ()
+        self._pod_out: dict[str, Any] = {}  # every pod's listeners by name
+        self._pod_uids: set[str] = set()
+        self._ns_count: Counter[str] = Counter()  # pods per caller namespace
+        self._id_count: Counter[str] = Counter()  # pods per identity
+        # listener name -> resource_hash, for the xDS server (``prehashed``)
+        self._listener_hashes: dict[str, str] = {}
+        self._listeners_out: dict[str, Any] | None = None
+        self._shared_names: set[str] = set()
+        #: type -> (an output dict, {name: resource_hash}) for the dicts this builder hashed
+        #: itself as it built them (the xDS server uses them for that very dict only)
+        self.prehashed: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
         self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
         self._gamma: GammaResult | None = None
@@ -1151,8 +1167,10 @@ class ResourceBuilder:
             self._detect = detect_ports(state.gamma, state.services)
         tables = self._service_tables(state)
 
-        pods = sorted(state.pods, key=lambda p: p.uid)
-        namespaces = sorted({p.namespace or DEFAULT_NAMESPACE for p in pods})
+        tls = state.mesh_tls
+        held = tls.svids if tls is not None else {}
+        pods_changed = self._pod_part(state, held)
+        namespaces = sorted(self._ns_count)
         ns_listeners: dict[str, RawResource] = {}
         learn = self._learn_bytes(state, tables)
         learn_all = state.learn_access_log and state.learn_targets is None
@@ -1165,48 +1183,10 @@ class ResourceBuilder:
         for e in self._services.values():
             for ns in [n for n in e.per_caller if n not in namespaces]:
                 del e.per_caller[ns]
-
-        seen: set[str] = set()
-        listeners: dict[str, Message] = {}
-        cache: dict[tuple[Any, ...], listener_pb2.Listener] = {}
-        tls = state.mesh_tls
-        held = tls.svids if tls is not None else {}
-        for pod in pods:
-            if pod.uid in seen:
-                raise ValueError(f"duplicate pod uid {pod.uid}")
-            seen.add(pod.uid)
-            has_id = pod.identity in held
-            k = (pod, state.capture_port, has_id)
-            lis = self._pod_listeners.get(k)
-            if lis is None:
-                lis = build_listener(pod, state.capture_port, has_id)
-            cache[k] = lis
-            listeners[pod.listener_name] = lis
-            if tls is not None and has_id and pod.ips:
-                # the SVID and bundle contents are not part of the listener (SDS), so the
-                # key is what the listener's bytes depend on
-                ik = (pod, tls.inbound_port, tls.trust_domain, state.capture_port,
-                      state.connection_log)
-                inbound = self._pod_listeners.get(ik)
-                if inbound is None:
-                    inbound = mtls.build_inbound_listener(
-                        pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4,
-                        pod.ipv6, forbidden_ports=(state.capture_port,),
-                        access_log=state.connection_log)
-                cache[ik] = inbound
-                listeners[mtls.inbound_listener_name(pod.uid)] = inbound
-                lk = ("local", pod)
-                local = self._pod_listeners.get(lk)
-                if local is None:
-                    local = mtls.build_inbound_local_listener(pod.uid, pod.netns_path, pod.ips,
-                                                              pod.ipv4)
-                cache[lk] = local
-                listeners[mtls.inbound_local_listener_name(pod.uid)] = local
-        self._pod_listeners = cache
-        listeners.update(ns_listeners)
+        shared = dict(ns_listeners)
         if tls is not None:
-            listeners[mtls.MTLS_OUT_LISTENER] = self._fixed(
-                "mtls-out", mtls.build_mtls_out_listener)
+            shared[mtls.MTLS_OUT_LISTENER] = self._fixed("mtls-out", mtls.build_mtls_out_listener)
+        listeners = self._listeners(shared, pods_changed)
 
         pt_key = (state.passthrough_mark, state.connect_timeout_s)
         if self._passthrough is None or self._passthrough[0] != pt_key:
@@ -1229,7 +1209,7 @@ class ResourceBuilder:
                 """``build`` with the mesh clusters' bind config, made on a cache miss only."""
                 return lambda: build(*args, bind=upstream_bind_config(mark), connect_timeout_s=t)
 
-            for identity in sorted({p.identity for p in pods if p.identity in held}):
+            for identity in sorted(i for i in self._id_count if i in held):
                 ns_clusters[mtls.mtls_cluster_name(identity)] = self._fixed(
                     ("mtls", identity, tls.trust_domain, tls.inbound_port, bind_key),
                     bound(mtls.build_mtls_cluster, identity, tls))
@@ -1254,8 +1234,97 @@ class ResourceBuilder:
             mtls.SECRET_TYPE: secrets,
             CLUSTER_TYPE: self._cluster_out[1],
             ENDPOINT_TYPE: tables.assignments,
-            LISTENER_TYPE: dict(sorted(listeners.items())),
+            LISTENER_TYPE: listeners,
         }
+
+    # ---- pod listeners -------------------------------------------------------------------
+
+    def _pod_part(self, state: NodeXdsState, held: Mapping[str, Any]) -> bool:
+        """Bring the pod listeners up to ``state.pods`` by difference with the last build:
+        only pods that came or went are built or dropped (a DEL or ADD is O(1) here, not
+        O(pods)); a change of what every pod listener depends on (capture port, mTLS
+        settings, the identities held, the connection log) rebuilds them all. True when
+        anything changed."""
+        tls = state.mesh_tls
+        key = (state.capture_port, state.connection_log,
+               (tls.inbound_port, tls.trust_domain) if tls is not None else None,
+               frozenset(held))
+        pods = state.pods if isinstance(state.pods, frozenset) else frozenset(state.pods)
+        if len(pods) != len(state.pods):
+            self._pod_set = None  # rebuilt in full next time
+            raise ValueError("duplicate pods in the xDS state")
+        if key != self._pod_key or self._pod_set is None:
+            gone, new = tuple(self._pod_entries), pods
+            self._pod_key = key
+        elif pods == self._pod_set:
+            return False
+        else:
+            gone, new = tuple(self._pod_set - pods), pods - self._pod_set
+        for pod in gone:
+            self._drop_pod(pod)
+        try:
+            for pod in sorted(new, key=lambda p: p.uid):
+                if pod.uid in self._pod_uids:
+                    raise ValueError(f"duplicate pod uid {pod.uid}")
+                self._add_pod(pod, state, held)
+        except BaseException:
+            self._pod_set = None
+            for pod in tuple(self._pod_entries):
+                self._drop_pod(pod)
+            raise
+        self._pod_set = pods
+        return True
+
+    def _add_pod(self, pod: PodListener, state: NodeXdsState, held: Mapping[str, Any]) -> None:
+        tls = state.mesh_tls
+        has_id = pod.identity in held
+        entries: list[tuple[str, Any]] = [
+            (pod.listener_name, build_listener(pod, state.capture_port, has_id))]
+        if tls is not None and has_id and pod.ips:
+            entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
+                pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
+                forbidden_ports=(state.capture_port,), access_log=state.connection_log)))
+            entries.append((mtls.inbound_local_listener_name(pod.uid),
+                            mtls.build_inbound_local_listener(pod.uid, pod.netns_path, pod.ips,
+                                                              pod.ipv4)))
+        self._pod_entries[pod] = tuple(entries)
+        for name, lis in entries:
+            self._pod_out[name] = lis
+            self._listener_hashes[name] = resource_hash(lis)
+        self._pod_uids.add(pod.uid)
+        self._ns_count[pod.namespace or DEFAULT_NAMESPACE] += 1
+        self._id_count[pod.identity] += 1
+
+    def _drop_pod(self, pod: PodListener) -> None:
+        for name, _lis in self._pod_entries.pop(pod, ()):
+            self._pod_out.pop(name, None)
+            self._listener_hashes.pop(name, None)
+        self._pod_uids.discard(pod.uid)
+        for count, k in ((self._ns_count, pod.namespace or DEFAULT_NAMESPACE),
+                         (self._id_count, pod.identity)):
+            count[k] -= 1
+            if count[k] <= 0:
+                del count[k]
+
+    def _listeners(self, shared: dict[str, Any], pods_changed: bool) -> dict[str, Any]:
+        """Every listener: the pods' and the shared ones (namespace listeners, mtls-out).
+        The same dict (and hashes) as last time when none of them changed, so the xDS server
+        skips the type; otherwise a copy, with hashes kept per listener as they are built."""
+        prev = self._listeners_out
+        if prev is not None and not pods_changed and len(prev) == len(self._pod_out) + len(
+                shared) and all(prev.get(n) is lis for n, lis in shared.items()):
+            return prev
+        for name in self._shared_names - shared.keys():
+            self._listener_hashes.pop(name, None)
+        self._shared_names = set(shared)
+        for name, lis in shared.items():
+            if prev is None or prev.get(name) is not lis or name not in self._listener_hashes:
+                self._listener_hashes[name] = resource_hash(lis)
+        out = dict(self._pod_out)
+        out.update(shared)
+        self._listeners_out = out
+        self.prehashed[LISTENER_TYPE] = (out, dict(self._listener_hashes))
+        return out
 
     def _fixed(self, key: Any, make: Callable[[], Any]) -> Any:
         """A resource that depends only on ``key``: built once, the same object while used."""
