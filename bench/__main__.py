@@ -219,6 +219,14 @@ def rows_h2_balance(d: dict[str, Any]) -> list[Row]:
         ("h2_balance", "smaller backend's share of requests (2 backends)",
          f"{d['per_request_min_backend_share_median']:.2f}",
          f"L4 {d['l4_min_backend_share_median']:.2f}", "-", "-"),
+        *([("h2_balance", "the floor: a plain Envoy (no mesh config), its HTTP/2 router, req/s",
+            f"{d['plain_h2_rps_median']:.0f}", f"its tcp_proxy {d['plain_l4_rps_median']:.0f}",
+            f"{d['plain_ratio_median']:.2f}× (spread {d['plain_spread'][0]:.2f}–"
+            f"{d['plain_spread'][1]:.2f})", "-"),
+           ("h2_balance", "aether per-request balancing vs the plain Envoy's HTTP/2 router, req/s",
+            f"{d['per_request_rps_median']:.0f}", f"plain {d['plain_h2_rps_median']:.0f}",
+            f"{d['vs_plain_ratio_median']:.2f}× (spread {d['vs_plain_spread'][0]:.2f}–"
+            f"{d['vs_plain_spread'][1]:.2f})", "-")] if d.get("vs_plain_spread") else []),
     ]
 
 

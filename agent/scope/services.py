@@ -58,16 +58,13 @@ class ServicePort:
             object.__setattr__(self, "target_port", self.port)  # the Kubernetes default
 
 
-DEFAULT_AFFINITY_TIMEOUT_S = 10800  # Kubernetes' sessionAffinityConfig.clientIP default
-
-
 @dataclass(frozen=True)
 class TrafficPolicy:
     """The Service fields that change which endpoint a client reaches."""
 
-    # sessionAffinity: ClientIP (the same client pod keeps its endpoint)
+    # sessionAffinity: ClientIP (the same client pod keeps its endpoint; its timeoutSeconds
+    # has nothing to expire here: docs/service-semantics.md)
     client_ip_affinity: bool = False
-    affinity_timeout_s: int = DEFAULT_AFFINITY_TIMEOUT_S
     # internalTrafficPolicy: Local (only this node's endpoints; none: the connection fails)
     local_only: bool = False
     # publishNotReadyAddresses: not-ready pods are endpoints too
@@ -101,15 +98,8 @@ class SessionPersistence:
 
 def traffic_policy_from_spec(spec: ServiceSpec) -> TrafficPolicy:
     """The Service spec's traffic fields; anything malformed keeps Kubernetes' default."""
-    timeout = DEFAULT_AFFINITY_TIMEOUT_S
-    cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}) \
-        if isinstance(spec.get("sessionAffinityConfig"), dict) else {}
-    raw = cfg.get("timeoutSeconds") if isinstance(cfg, dict) else None
-    if isinstance(raw, int) and 0 < raw <= 86400:
-        timeout = raw
     return TrafficPolicy(
         client_ip_affinity=spec.get("sessionAffinity") == "ClientIP",
-        affinity_timeout_s=timeout,
         local_only=spec.get("internalTrafficPolicy") == "Local",
         publish_not_ready=spec.get("publishNotReadyAddresses") is True,
         prefer=PREFER.get(str(spec.get("trafficDistribution") or ""), ""),
