@@ -514,7 +514,7 @@ def test_client_ip_affinity_hashes_the_callers_address_with_maglev() -> None:
                                     "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}},
                                     "internalTrafficPolicy": "Local",
                                     "publishNotReadyAddresses": True})
-    assert pol == TrafficPolicy(True, 60, True, True)
+    assert pol == TrafficPolicy(client_ip_affinity=True, local_only=True, publish_not_ready=True)
     assert traffic_policy_from_spec({"sessionAffinityConfig": "x"}) == TrafficPolicy()
     view = _view()
     sticky = replace(view, traffic=pol)
