@@ -245,10 +245,7 @@ class MeshRuntime:
                 self._dirty.set()
 
     def _counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for kind, _ns, _name in self.objects.snapshot():
-            counts[kind] = counts.get(kind, 0) + 1
-        return counts
+        return self.objects.counts()
 
     def has_object(self, kind: str, namespace: str, name: str) -> bool:
         return self.objects.get(kind, namespace, name) is not None

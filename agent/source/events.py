@@ -93,6 +93,11 @@ class ObjectStore:
         with self._lock:
             return dict(self._objects)
 
+    def counts(self) -> dict[str, int]:
+        """Objects held per kind, from the by-kind index (no pass over the objects)."""
+        with self._lock:
+            return {kind: len(objs) for kind, objs in self._kinds.items() if objs}
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._objects)
