@@ -357,3 +357,30 @@ def test_inbound_local_delivers_only_to_the_pods_own_address() -> None:
         assert dst == f"10.1.0.7:%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:port)%"
     v6 = mtls.build_inbound_local_listener("c2", "/run/netns/c2", ("fd00::7",), ipv4=False)
     assert v6.address.socket_address.address == "::1"
+
+
+def test_an_svid_coming_rebuilds_only_its_identitys_pod_listeners() -> None:
+    """The builder keeps pod listeners by difference: an SVID issued for one identity
+    rebuilds that identity's pods (now with their inbound listeners), the other pods'
+    listeners stay the very same objects; a pod leaving drops only its own."""
+    b = ResourceBuilder()
+    client = {"app/client": _svid("app/client")}
+    first = b.build(_state(client, (CLIENT, NOID)))[LISTENER_TYPE]
+    assert mtls.inbound_listener_name("c1") in first
+    assert mtls.inbound_listener_name("c2") not in first
+    both = b.build(_state({**client, "app/nobody": _svid("app/nobody")}, (CLIENT, NOID)))[
+        LISTENER_TYPE]
+    assert both[CLIENT.listener_name] is first[CLIENT.listener_name]
+    assert both[mtls.inbound_listener_name("c1")] is first[mtls.inbound_listener_name("c1")]
+    assert both[NOID.listener_name] is not first[NOID.listener_name]
+    assert mtls.inbound_listener_name("c2") in both
+    alone = b.build(_state({**client, "app/nobody": _svid("app/nobody")}, (CLIENT,)))[
+        LISTENER_TYPE]
+    assert not [n for n in alone if "c2" in n]
+    assert alone[CLIENT.listener_name] is first[CLIENT.listener_name]
+    again = b.build(_state({**client, "app/nobody": _svid("app/nobody")}, (CLIENT,)))[
+        LISTENER_TYPE]
+    assert again is alone  # nothing changed: the same dict (the xDS server skips the type)
+    from agent.envoy.resources import resource_hash
+    pre_dict, hashes = b.prehashed[LISTENER_TYPE]
+    assert pre_dict is alone and hashes == {n: resource_hash(m) for n, m in alone.items()}

@@ -953,7 +953,8 @@ class ResourceBuilder:
         self._pod_out: dict[str, Any] = {}  # every pod's listeners by name
         self._pod_uids: set[str] = set()
         self._ns_count: Counter[str] = Counter()  # pods per caller namespace
-        self._id_count: Counter[str] = Counter()  # pods per identity
+        self._by_identity: dict[str, set[PodListener]] = {}  # pods per identity
+        self._held: frozenset[str] = frozenset()  # identities with an SVID, last build
         # listener name -> resource_hash, for the xDS server (``prehashed``)
         self._listener_hashes: dict[str, str] = {}
         self._listeners_out: dict[str, Any] | None = None
@@ -1209,7 +1210,7 @@ class ResourceBuilder:
                 """``build`` with the mesh clusters' bind config, made on a cache miss only."""
                 return lambda: build(*args, bind=upstream_bind_config(mark), connect_timeout_s=t)
 
-            for identity in sorted(i for i in self._id_count if i in held):
+            for identity in sorted(i for i in self._by_identity if i in held):
                 ns_clusters[mtls.mtls_cluster_name(identity)] = self._fixed(
                     ("mtls", identity, tls.trust_domain, tls.inbound_port, bind_key),
                     bound(mtls.build_mtls_cluster, identity, tls))
@@ -1243,23 +1244,28 @@ class ResourceBuilder:
         """Bring the pod listeners up to ``state.pods`` by difference with the last build:
         only pods that came or went are built or dropped (a DEL or ADD is O(1) here, not
         O(pods)); a change of what every pod listener depends on (capture port, mTLS
-        settings, the identities held, the connection log) rebuilds them all. True when
-        anything changed."""
+        settings, the connection log) rebuilds them all, an identity's SVID coming or going
+        the pods of that identity. True when anything changed."""
         tls = state.mesh_tls
         key = (state.capture_port, state.connection_log,
-               (tls.inbound_port, tls.trust_domain) if tls is not None else None,
-               frozenset(held))
+               (tls.inbound_port, tls.trust_domain) if tls is not None else None)
         pods = state.pods if isinstance(state.pods, frozenset) else frozenset(state.pods)
         if len(pods) != len(state.pods):
             self._pod_set = None  # rebuilt in full next time
             raise ValueError("duplicate pods in the xDS state")
+        now_held = frozenset(held)
+        flipped = self._held ^ now_held
+        self._held = now_held
         if key != self._pod_key or self._pod_set is None:
             gone, new = tuple(self._pod_entries), pods
             self._pod_key = key
-        elif pods == self._pod_set:
-            return False
         else:
-            gone, new = tuple(self._pod_set - pods), pods - self._pod_set
+            # the pods whose listeners name an SVID that came or went are built again
+            again = frozenset(p for i in flipped for p in self._by_identity.get(i, ()))
+            if pods == self._pod_set and not again:
+                return False
+            gone = tuple((self._pod_set - pods) | (again & pods))
+            new = (pods - self._pod_set) | (again & pods)
         for pod in gone:
             self._drop_pod(pod)
         try:
@@ -1293,18 +1299,24 @@ class ResourceBuilder:
             self._listener_hashes[name] = resource_hash(lis)
         self._pod_uids.add(pod.uid)
         self._ns_count[pod.namespace or DEFAULT_NAMESPACE] += 1
-        self._id_count[pod.identity] += 1
+        self._by_identity.setdefault(pod.identity, set()).add(pod)
 
     def _drop_pod(self, pod: PodListener) -> None:
-        for name, _lis in self._pod_entries.pop(pod, ()):
+        if pod not in self._pod_entries:
+            return
+        for name, _lis in self._pod_entries.pop(pod):
             self._pod_out.pop(name, None)
             self._listener_hashes.pop(name, None)
         self._pod_uids.discard(pod.uid)
-        for count, k in ((self._ns_count, pod.namespace or DEFAULT_NAMESPACE),
-                         (self._id_count, pod.identity)):
-            count[k] -= 1
-            if count[k] <= 0:
-                del count[k]
+        ns = pod.namespace or DEFAULT_NAMESPACE
+        self._ns_count[ns] -= 1
+        if self._ns_count[ns] <= 0:
+            del self._ns_count[ns]
+        same = self._by_identity.get(pod.identity)
+        if same is not None:
+            same.discard(pod)
+            if not same:
+                del self._by_identity[pod.identity]
 
     def _listeners(self, shared: dict[str, Any], pods_changed: bool) -> dict[str, Any]:
         """Every listener: the pods' and the shared ones (namespace listeners, mtls-out).
