@@ -239,6 +239,27 @@ def test_without_retries_and_ejection_the_dead_endpoint_shows(workdir: str, brid
             srv.shutdown()
 
 
+def _two_zones(node: EnvoyNode) -> None:
+    """This node (test-node) in zone-a, far-node in zone-b."""
+    node.agent.write("nodes.yaml", [
+        {"apiVersion": "v1", "kind": "Node",
+         "metadata": {"name": n, "labels": {"topology.kubernetes.io/zone": z}}}
+        for n, z in (("test-node", "zone-a"), ("far-node", "zone-b"))])
+
+
+def _far_pod(node: EnvoyNode) -> None:
+    """web-far: a ready web pod of far-node, at the node's bridge address (the test serves
+    it from the host netns)."""
+    from integration.conftest import GW4
+    node.agent.write("pod-far.yaml", [{
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-far", "namespace": "app", "uid": "u-web-far",
+                     "labels": {"app": "web"}},
+        "spec": {"nodeName": "far-node"},
+        "status": {"podIP": GW4, "podIPs": [{"ip": GW4}], "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": "True"}]}}])
+
+
 def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
                                                                bridge_name: str) -> None:
     """trafficDistribution: PreferSameZone: with this node in zone-a, the endpoint in zone-a
@@ -247,19 +268,10 @@ def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
     over. Without trafficDistribution both are used."""
     from integration.conftest import GW4
     with running(EnvoyNode(workdir, bridge_name)) as node:
-        node.agent.write("nodes.yaml", [
-            {"apiVersion": "v1", "kind": "Node",
-             "metadata": {"name": n, "labels": {"topology.kubernetes.io/zone": z}}}
-            for n, z in (("test-node", "zone-a"), ("far-node", "zone-b"))])
+        _two_zones(node)
         _service(node, {"trafficDistribution": "PreferSameZone"})
         _service(node, {}, name="flat", ip="10.96.71.11")
-        node.agent.write("pod-far.yaml", [{
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "web-far", "namespace": "app", "uid": "u-web-far",
-                         "labels": {"app": "web"}},
-            "spec": {"nodeName": "far-node"},
-            "status": {"podIP": GW4, "podIPs": [{"ip": GW4}], "phase": "Running",
-                       "conditions": [{"type": "Ready", "status": "True"}]}}])
+        _far_pod(node)
         servers, client, echo = _backends(node, 1, deps="app/web,app/flat")
         far = http_echo_server(f"/proc/{os.getpid()}/ns/net", GW4, 8080, "web-far")
         try:
@@ -295,18 +307,9 @@ def test_endpoint_slice_hints_steer_as_kube_proxy_reads_them(workdir: str,
     this node turns it round; once the hinted endpoint is not ready, the other takes over."""
     from integration.conftest import GW4
     with running(EnvoyNode(workdir, bridge_name)) as node:
-        node.agent.write("nodes.yaml", [
-            {"apiVersion": "v1", "kind": "Node",
-             "metadata": {"name": n, "labels": {"topology.kubernetes.io/zone": z}}}
-            for n, z in (("test-node", "zone-a"), ("far-node", "zone-b"))])
+        _two_zones(node)
         _service(node, {})
-        node.agent.write("pod-far.yaml", [{
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "web-far", "namespace": "app", "uid": "u-web-far",
-                         "labels": {"app": "web"}},
-            "spec": {"nodeName": "far-node"},
-            "status": {"podIP": GW4, "podIPs": [{"ip": GW4}], "phase": "Running",
-                       "conditions": [{"type": "Ready", "status": "True"}]}}])
+        _far_pod(node)
         servers, client, echo = _backends(node, 1)
         far = http_echo_server(f"/proc/{os.getpid()}/ns/net", GW4, 8080, "web-far")
         here = servers[0].ip()

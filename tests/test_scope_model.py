@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -483,12 +484,11 @@ def _node(name: str, zone: str | None) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
 
 
-def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -> None:
-    """PreferSameZone: endpoints on nodes of this node's zone are preferred; a zone label
-    change re-evaluates the Service; PreferSameNode prefers this node's pods only."""
-    s = svc("web", selector={"app": "web"})
-    s["spec"]["trafficDistribution"] = "PreferSameZone"
-    add(model, ns("apps"), _node(NODE, "z1"), _node("node-b", "z1"), _node("node-c", "z2"), s,
+def _three_zones(model: MeshModel, service: dict[str, Any]) -> Callable[[], dict[str, bool]]:
+    """This node and node-b in z1, node-c in z2; ``service`` (web) with a pod on node-b and
+    one on node-c, and a client here. Returns the reader of which endpoints are preferred."""
+    add(model, ns("apps"), _node(NODE, "z1"), _node("node-b", "z1"), _node("node-c", "z2"),
+        service,
         pod("w-b", ips=("10.0.1.2",), node="node-b", labels={"app": "web"}),
         pod("w-c", ips=("10.0.1.3",), node="node-c", labels={"app": "web"}),
         pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
@@ -496,7 +496,15 @@ def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -
     def preferred() -> dict[str, bool]:
         [view] = model.in_scope_services()
         return {e.ip: e.preferred for e in view.endpoints[80]}
+    return preferred
 
+
+def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -> None:
+    """PreferSameZone: endpoints on nodes of this node's zone are preferred; a zone label
+    change re-evaluates the Service; PreferSameNode prefers this node's pods only."""
+    s = svc("web", selector={"app": "web"})
+    s["spec"]["trafficDistribution"] = "PreferSameZone"
+    preferred = _three_zones(model, s)
     assert preferred() == {"10.0.1.2": True, "10.0.1.3": False}
     assert add(model, _node("node-c", "z1")) == {"apps/web"}
     assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}
@@ -523,16 +531,7 @@ def test_endpoint_slice_hints_decide_what_is_preferred(model: MeshModel) -> None
     names this node; else forZones when every one has a zone hint and one names this node's
     zone (even an endpoint of another zone, as the controller balances zones); else
     trafficDistribution's own reading (here none: all preferred)."""
-    add(model, ns("apps"), _node(NODE, "z1"), _node("node-b", "z1"), _node("node-c", "z2"),
-        svc("web", selector={"app": "web"}),
-        pod("w-b", ips=("10.0.1.2",), node="node-b", labels={"app": "web"}),
-        pod("w-c", ips=("10.0.1.3",), node="node-c", labels={"app": "web"}),
-        pod("client", node=NODE, annotations={"aether.io/dependencies": "web"}))
-
-    def preferred() -> dict[str, bool]:
-        [view] = model.in_scope_services()
-        return {e.ip: e.preferred for e in view.endpoints[80]}
-
+    preferred = _three_zones(model, svc("web", selector={"app": "web"}))
     assert preferred() == {"10.0.1.2": True, "10.0.1.3": True}
     zones = {"10.0.1.2": {"forZones": ["z2"]}, "10.0.1.3": {"forZones": ["z1"]}}
     assert add(model, _hinted_slice(zones)) == {"apps/web"}
