@@ -124,9 +124,9 @@ class StateStore:
         self.load_problem: str | None = None
         self.swept: list[str] = []  # temp files of interrupted writes removed by load()
         self.seen: dict[str, SeenPod] = {}  # uncaptured pods with a netns (live enrollment)
-        # container id -> (its record's netns path, that netns' identity), as netns_owner
-        # last read it; identity -> those container ids; the records not read yet
-        self._idents: dict[str, tuple[str, tuple[int, int]]] = {}
+        # container id -> its record's netns identity, as netns_owner last read it;
+        # identity -> those container ids; the records not read yet (a put re-reads one)
+        self._idents: dict[str, tuple[int, int]] = {}
         self._by_ident: dict[tuple[int, int], set[str]] = {}
         self._unread: set[str] = set()
 
@@ -367,7 +367,7 @@ class StateStore:
                 if pod is None or pod.netns != path or cid not in self._unread:
                     continue
                 self._unread.discard(cid)
-                self._idents[cid] = (path, ident)
+                self._idents[cid] = ident
                 self._by_ident.setdefault(ident, set()).add(cid)
         with self._lock:
             candidates = [(cid, pod) for cid in self._by_ident.get(target, ())
@@ -387,10 +387,10 @@ class StateStore:
     def _forget_ident(self, cid: str) -> None:
         """Drop a record from the identity index (caller holds the lock)."""
         self._unread.discard(cid)
-        known = self._idents.pop(cid, None)
-        if known is not None:
-            owners = self._by_ident.get(known[1])
+        ident = self._idents.pop(cid, None)
+        if ident is not None:
+            owners = self._by_ident.get(ident)
             if owners is not None:
                 owners.discard(cid)
                 if not owners:
-                    del self._by_ident[known[1]]
+                    del self._by_ident[ident]
