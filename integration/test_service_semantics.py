@@ -724,3 +724,42 @@ def test_route_rule_and_backend_lb_policy_sessions(enode: EnvoyNode) -> None:
     finally:
         for e in echo:
             e.shutdown()
+
+
+def test_a_forged_session_cookie_reaches_no_address_outside_the_service(
+        enode: EnvoyNode) -> None:
+    """A pod that rewrites its session cookie to name another address (here the node's
+    bridge address, where a server listens on the Service's target port) is not sent there:
+    Envoy honours a session only for a host of the Service's cluster, and the load balancer
+    picks one of its endpoints instead."""
+    import base64
+
+    from integration.conftest import GW4
+    _service(enode, {}, app_protocol="http")
+    enode.agent.write("btp.yaml", [{
+        "apiVersion": "gateway.networking.x-k8s.io/v1alpha1", "kind": "XBackendTrafficPolicy",
+        "metadata": {"name": "web-sticky", "namespace": "app"},
+        "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "web"}],
+                 "sessionPersistence": {"sessionName": "shop", "type": "Cookie"}}}])
+    servers, client, echo = _backends(enode, 2)
+    intruder = http_echo_server(f"/proc/{os.getpid()}/ns/net", GW4, 8080, "intruder")
+
+    def cookie() -> str | None:
+        ((status, headers, _b),) = http_get_from(client.netns, SVC_IP, 80, timeout=3)
+        value = headers.get("set-cookie", "").split(";")[0]
+        return value if status == 200 and value.startswith("shop=") else None
+
+    try:
+        real = _until(cookie, "no session cookie was ever set")
+        raw = base64.b64decode(real[len("shop="):] + "==").decode()
+        here = next(s.ip() for s in servers if f"{s.ip()}:8080" in raw)
+        forged = base64.b64encode(raw.replace(f"{here}:8080", f"{GW4}:8080").encode()).decode()
+        assert forged != real[len("shop="):]
+        got = http_get_from(client.netns, SVC_IP, 80, headers={"cookie": f"shop={forged}"},
+                            count=12, timeout=3)
+        pods = Counter(json.loads(b)["pod"] if s == 200 else "-" for s, _h, b in got)
+        assert set(pods) <= {"web-0", "web-1"} and sum(pods.values()) == 12, pods
+    finally:
+        intruder.shutdown()
+        for e in echo:
+            e.shutdown()
