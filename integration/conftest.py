@@ -323,6 +323,15 @@ class EnvoyNode(Node):
     def listeners(self) -> list[str]:
         return [ln.split("::")[0] for ln in self.admin("/listeners").splitlines() if ln]
 
+    def listener_withdrawn(self, container_id: str, timeout: float = 10.0) -> None:
+        """Wait for a DEL'd pod's listener to leave Envoy. DEL returns before Envoy's ACK (it
+        never waits on the proxy), so the withdrawal settles with the next ACK."""
+        name = f"capture-{container_id}"
+        deadline = time.monotonic() + timeout
+        while name in self.listeners():
+            assert time.monotonic() < deadline, f"{name} still in Envoy {timeout} s after DEL"
+            time.sleep(0.05)
+
     def envoy_pid(self) -> int:
         pid = self.agent.status()["envoy"]["pid"]
         assert pid

@@ -154,7 +154,7 @@ def test_kill_at_each_add_step_then_kubelet_retries_succeed(
 
         enode.kubelet.delete_aether_only(pod)
         assert _leftovers(enode, pod) == []
-        assert f"capture-{pod.container_id}" not in enode.listeners()
+        enode.listener_withdrawn(pod.container_id)
         assert enode.agent.status()["pods"] == []
     finally:
         tcp.close()

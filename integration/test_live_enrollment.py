@@ -103,7 +103,7 @@ def test_a_running_pod_is_captured_and_released_as_its_namespace_label_changes(
                                lambda: _released(enode, pod))
         with _frozen(enode):  # released: reaches its destination with the proxy frozen
             assert dial(pod.netns, GW4, port) == "direct"
-        assert f"capture-{pod.container_id}" not in enode.listeners()
+        enode.listener_withdrawn(pod.container_id)
         _within(RELEASE_GRACE_S + 2, "the emptied table dropped", lambda: _table_gone(pod))
 
         _namespaces(enode, plain_managed=True)  # and back again: remembered when released

@@ -119,7 +119,7 @@ def test_restarted_agent_in_its_own_mount_namespace_pins_for_the_adopted_envoy(
 
         n.kubelet.delete_aether_only(second)  # B unpins: the unmount reaches Envoy's ns too
         assert not os.path.lexists(pin)
-        assert f"capture-{second.container_id}" not in n.listeners()
+        n.listener_withdrawn(second.container_id)
     finally:
         tcp.close()
         for s in sleepers:

@@ -128,7 +128,7 @@ def test_netns_deleted_under_captured_pod(enode: EnvoyNode) -> None:
     ino = os.stat(pod.netns).st_ino
     subprocess.run(["ip", "netns", "del", pod.netns_name], check=True)
     enode.kubelet.delete_aether_only(pod)
-    assert f"capture-{pod.container_id}" not in enode.listeners()
+    enode.listener_withdrawn(pod.container_id)
     deadline = time.monotonic() + 10
     while any(_fd_ns(pid, fd) == ino for fd in os.listdir(f"/proc/{pid}/fd")):
         assert time.monotonic() < deadline
@@ -164,7 +164,7 @@ def test_del_arriving_before_add_finished(enode: EnvoyNode) -> None:
     subprocess.run(["ip", "netns", "del", pod.netns_name], check=False)
     time.sleep(0.5)
     assert enode.agent.status()["pods"] == []
-    assert f"capture-{pod.container_id}" not in enode.listeners()
+    enode.listener_withdrawn(pod.container_id)
 
 
 def _try(fn: object) -> object:
