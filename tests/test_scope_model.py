@@ -272,6 +272,35 @@ def test_selectorless_service_uses_endpointslices(model: MeshModel) -> None:
     assert model.resolve("apps/ext")[80] == []
 
 
+def test_slice_membership_follows_the_service_turning_selectorless_and_back(
+        model: MeshModel) -> None:
+    """Slices are indexed by endpoint only for selectorless Services: a slice that came
+    first, a Service that drops its selector, a pod that comes after, and a selector put
+    back all end with the members the Service's kind says."""
+    slice_obj = {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "s-abc", "namespace": "apps",
+                     "labels": {"kubernetes.io/service-name": "s"}},
+        "ports": [{"name": "http", "port": 7000}],
+        "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "p1"}},
+                      {"addresses": ["10.0.0.2"]}],
+    }
+    add(model, ns("apps"), slice_obj, pod("p1", ips=("10.0.0.1",)))
+    add(model, svc("s", selector={"app": "s"}, ports=[{"name": "http", "port": 80}]))
+    assert model.resolve("apps/s")[80] == []  # a selector: the slice is not membership
+    add(model, svc("s", selector=None, ports=[{"name": "http", "port": 80}]))
+    assert [e.ip for e in model.resolve("apps/s")[80]] == ["10.0.0.1"]
+    assert add(model, pod("p2", ips=("10.0.0.2",))) == {"apps/s"}  # found by its address
+    assert sorted(e.ip for e in model.resolve("apps/s")[80]) == ["10.0.0.1", "10.0.0.2"]
+    add(model, svc("s", selector={"app": "s"}, ports=[{"name": "http", "port": 80}]))
+    assert model.resolve("apps/s")[80] == []
+    assert add(model, pod("p3", ips=("10.0.0.3",))) == set()
+    reg = model.registry
+    assert reg._slice_by_pod == {} and reg._slice_by_ip == {}  # nothing left indexed
+    assert delete(model, slice_obj) == set()
+    assert reg._slice_pods == {} and reg._slice_ips == {}
+
+
 # ---- incremental updates ----------------------------------------------------------------------
 
 

@@ -103,6 +103,18 @@ def test_status_only_churn_leaves_the_slim_pod_equal_and_deletion_shows() -> Non
 def test_odd_shapes_do_not_raise() -> None:
     for odd in ({}, {"metadata": 5}, {"spec": {"containers": [None, 3, {"ports": "x"}]}},
                 {"status": {"podIPs": [None], "conditions": "x"}}):
-        slim = slim_pod(odd)  # type: ignore[arg-type]
+        slim = slim_pod(odd)
         assert slim["kind"] == "Pod"
         pod_from_object(slim)
+
+
+def test_a_single_stack_pods_ip_is_kept_once_and_both_dual_stack_ips_stay() -> None:
+    single = slim_pod(realistic_pod(3))
+    assert "podIPs" not in single["status"]  # [{"ip": podIP}] says nothing podIP does not
+    assert _pod_ips(single) == ("10.8.0.4",) and pod_from_object(single).ips == ("10.8.0.4",)
+    dual = realistic_pod(3)
+    dual["status"]["podIPs"] = [{"ip": "10.8.0.4"}, {"ip": "fd00::4"}]
+    slim = slim_pod(dual)
+    assert slim["status"]["podIPs"] == [{"ip": "10.8.0.4"}, {"ip": "fd00::4"}]
+    assert _pod_ips(slim) == ("10.8.0.4", "fd00::4")
+    assert pod_from_object(slim).ips == ("10.8.0.4", "fd00::4")

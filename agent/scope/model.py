@@ -9,6 +9,7 @@ bookkeeping under one lock; no I/O, so every rule here is unit-testable.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -392,7 +393,7 @@ class MeshModel:
     def _apply_remote_pod(self, ns: str, name: str, obj: dict[str, Any] | None) -> set[str]:
         """A MeshPod record: the registry takes it as a Pod unless this node knows the pod
         itself (its own Pod watch or a CNI ADD) or the record says it is ours."""
-        key = f"{ns}/{name}"
+        key = sys.intern(f"{ns}/{name}")  # the registry's own key object: held once
         node = str(((obj or {}).get("spec") or {}).get("nodeName") or "")
         remote = key in self._remote_pods
         ours = self.registry.is_local(key) or (
@@ -510,7 +511,7 @@ class MeshModel:
                         continue
                     ref = ep.get("targetRef") or {}
                     if ref.get("kind") == "Pod" and ref.get("name"):
-                        sl.pods.add(f"{ref.get('namespace') or ns}/{ref['name']}")
+                        sl.pods.add(sys.intern(f"{ref.get('namespace') or ns}/{ref['name']}"))
                     addresses = [str(a) for a in ep.get("addresses") or []]
                     sl.ips.update(addresses)
                     if (hint := _hint(ep)) is not None:

@@ -137,10 +137,14 @@ class Registry:
         self._svc_by_label: dict[tuple[str, str, str], set[str]] = {}  # first selector pair
         self._slice_pods: dict[str, set[str]] = {}
         self._slice_ips: dict[str, set[str]] = {}
+        # pod key / IP → the selectorless Services whose slices name it (only those: a
+        # selector Service's members come from labels, and indexing every endpoint of a
+        # 10k-Service cluster cost two sets an endpoint)
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
         self._members: dict[str, set[str]] = {}
-        self._pod_svcs: dict[str, set[str]] = {}
+        # pod key → its Services: a tuple (most pods are in one or two; a set is 216 bytes)
+        self._pod_svcs: dict[str, tuple[str, ...]] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -257,9 +261,14 @@ class Registry:
         old = self._selectors.get(svc_key)
         if old == (namespace, selector):
             return False
+        was_sliced = self._selectorless(svc_key)
         if old is not None:
             self._unindex_selector(svc_key, *old)
         self._selectors[svc_key] = (namespace, selector)
+        if was_sliced and selector is not None:
+            self._unindex_slices(svc_key)
+        elif selector is None and not was_sliced:
+            self._index_slices(svc_key)
         self._svcs_by_ns.setdefault(namespace, set()).add(svc_key)
         if selector:
             k, v = min(selector.items())
@@ -277,6 +286,8 @@ class Registry:
                     del self._svc_by_label[(namespace, k, v)]
 
     def remove_service(self, svc_key: str) -> bool:
+        if self._selectorless(svc_key):
+            self._unindex_slices(svc_key)
         entry = self._selectors.pop(svc_key, None)
         if entry is not None:
             keys = self._svcs_by_ns.get(entry[0], set())
@@ -290,16 +301,37 @@ class Registry:
     def set_slice_refs(self, svc_key: str, pod_keys: set[str], ips: set[str]) -> bool:
         """The union of a Service's EndpointSlices (pod targetRefs and addresses)."""
         ips = {c for c in (canonical_ip(i) for i in ips) if c}
-        for p in self._slice_pods.get(svc_key, ()):
-            self._slice_by_pod.get(p, set()).discard(svc_key)
-        for ip in self._slice_ips.get(svc_key, ()):
-            self._slice_by_ip.get(ip, set()).discard(svc_key)
-        self._slice_pods[svc_key], self._slice_ips[svc_key] = set(pod_keys), ips
-        for p in pod_keys:
-            self._slice_by_pod.setdefault(p, set()).add(svc_key)
-        for ip in ips:
-            self._slice_by_ip.setdefault(ip, set()).add(svc_key)
+        sliced = self._selectorless(svc_key)
+        if sliced:
+            self._unindex_slices(svc_key)
+        if pod_keys or ips:
+            self._slice_pods[svc_key], self._slice_ips[svc_key] = set(pod_keys), ips
+        else:
+            self._slice_pods.pop(svc_key, None)
+            self._slice_ips.pop(svc_key, None)
+        if sliced:
+            self._index_slices(svc_key)
         return self._rematch_service(svc_key)
+
+    def _selectorless(self, svc_key: str) -> bool:
+        entry = self._selectors.get(svc_key)
+        return entry is not None and entry[1] is None
+
+    def _index_slices(self, svc_key: str) -> None:
+        for p in self._slice_pods.get(svc_key, ()):
+            self._slice_by_pod.setdefault(p, set()).add(svc_key)
+        for ip in self._slice_ips.get(svc_key, ()):
+            self._slice_by_ip.setdefault(ip, set()).add(svc_key)
+
+    def _unindex_slices(self, svc_key: str) -> None:
+        for index, keys in ((self._slice_by_pod, self._slice_pods.get(svc_key, ())),
+                            (self._slice_by_ip, self._slice_ips.get(svc_key, ()))):
+            for k in keys:
+                svcs = index.get(k)
+                if svcs is not None:
+                    svcs.discard(svc_key)
+                    if not svcs:
+                        del index[k]
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -362,14 +394,14 @@ class Registry:
                 self._by_identity.setdefault(new.identity, set()).add(key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
-            old_svcs = self._pod_svcs.get(key, set())
+            old_svcs = set(self._pod_svcs.get(key, ()))
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
                 self._members.get(s, set()).discard(key)
             for s in new_svcs - old_svcs:
                 self._members.setdefault(s, set()).add(key)
             if new_svcs:
-                self._pod_svcs[key] = new_svcs
+                self._pod_svcs[key] = tuple(new_svcs)
             else:
                 self._pod_svcs.pop(key, None)
             affected |= old_svcs | new_svcs
@@ -427,12 +459,16 @@ class Registry:
             return False
         for k in old - members:
             s = self._pod_svcs.get(k)
-            if s is not None:
-                s.discard(svc_key)
-                if not s:
+            if s is not None and svc_key in s:
+                rest = tuple(x for x in s if x != svc_key)
+                if rest:
+                    self._pod_svcs[k] = rest
+                else:
                     del self._pod_svcs[k]
         for k in members - old:
-            self._pod_svcs.setdefault(k, set()).add(svc_key)
+            s = self._pod_svcs.get(k, ())
+            if svc_key not in s:
+                self._pod_svcs[k] = (*s, svc_key)
         self._members[svc_key] = members
         return True
 

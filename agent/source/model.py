@@ -192,8 +192,9 @@ def slim_pod(obj: PodObject) -> dict[str, Any]:
         if spec.get(k):
             s[k] = shared(_slim_containers(spec[k]))
     st: dict[str, Any] = {k: _intern(status[k]) for k in ("phase", "podIP") if k in status}
-    if status.get("podIPs"):
-        st["podIPs"] = [{"ip": _map(x).get("ip")} for x in _list(status["podIPs"])]
+    ips = [{"ip": _intern(_map(x).get("ip"))} for x in _list(status.get("podIPs"))]
+    if ips and not (len(ips) == 1 and ips[0]["ip"] == st.get("podIP")):
+        st["podIPs"] = ips  # a single-stack pod's [{"ip": podIP}] is podIP: readers fall back
     ready = [{"type": "Ready", "status": _intern(c.get("status"))}
              for c in _list(status.get("conditions"))
              if isinstance(c, dict) and c.get("type") == "Ready"]
