@@ -303,6 +303,43 @@ class _Event:
     old: JSON | None = None  # MODIFIED: what it was (selectors may match one, not the other)
 
 
+
+StoreKey = tuple[str, str, str, str]  # (apiVersion, plural, namespace, name)
+
+
+class _KindIndexedStore(dict[StoreKey, JSON]):
+    """The stored objects, with each kind's keys kept apart and sorted only when a LIST asks
+    (a real API server lists from a per-resource cache: a LIST of 10k Services never walks
+    100k Pods). Every write path goes through ``__setitem__``/``pop``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kinds: dict[tuple[str, str], set[StoreKey]] = {}
+        self._sorted: dict[tuple[str, str], list[StoreKey]] = {}
+
+    def __setitem__(self, key: StoreKey, value: JSON) -> None:
+        if key not in self:
+            self._kinds.setdefault(key[:2], set()).add(key)
+            self._sorted.pop(key[:2], None)
+        super().__setitem__(key, value)
+
+    def pop(self, key: StoreKey, *default: Any) -> Any:
+        if key in self:
+            self._kinds[key[:2]].discard(key)
+            self._sorted.pop(key[:2], None)
+        return super().pop(key, *default)
+
+    def __delitem__(self, key: StoreKey) -> None:
+        self.pop(key)
+
+    def sorted_keys(self, api_version: str, plural: str) -> list[StoreKey]:
+        kind = (api_version, plural)
+        got = self._sorted.get(kind)
+        if got is None:
+            got = self._sorted[kind] = sorted(self._kinds.get(kind, ()))
+        return got
+
+
 class FakeApiServer:
     """In-memory Kubernetes API server on 127.0.0.1 for tests (see module docstring).
 
@@ -324,7 +361,7 @@ class FakeApiServer:
         self._lock = threading.RLock()
         self._by_path = {(r.api_version, r.plural): r for r in RESOURCES}
         self._by_kind = {(r.api_version, r.kind): r for r in RESOURCES}
-        self._store: dict[tuple[str, str, str, str], JSON] = {}
+        self._store = _KindIndexedStore()
         self._rv = 0
         self._compacted_rv = 0
         self._history: deque[_Event] = deque()
@@ -847,10 +884,8 @@ class FakeApiServer:
             fields = _parse_selector(query.get("fieldSelector", ""))
             rv = self._rv
             objs = []  # the stored dicts themselves: writes replace them, so this is a snapshot
-            for key in sorted(self._store):
-                gv, plural, ons, _ = key
-                if gv != res.api_version or plural != res.plural:
-                    continue
+            for key in self._store.sorted_keys(res.api_version, res.plural):
+                ons = key[2]
                 if ns is not None and res.namespaced and ons != ns:
                     continue
                 if _matches(self._store[key], labels, fields):
