@@ -10,6 +10,7 @@ Service key can no longer be handed where a pod key or a container id is meant (
 
 from __future__ import annotations
 
+import sys
 from typing import NewType
 
 ContainerId = NewType("ContainerId", str)
@@ -18,9 +19,10 @@ ServiceKey = NewType("ServiceKey", str)
 IdentityKey = NewType("IdentityKey", str)
 
 
+# Keys are interned: each is held by many maps, sets and endpoints, once as one object.
 def pod_key(namespace: str, name: str) -> PodKey:
-    return PodKey(f"{namespace}/{name}")
+    return PodKey(sys.intern(f"{namespace}/{name}"))
 
 
 def service_key(namespace: str, name: str) -> ServiceKey:
-    return ServiceKey(f"{namespace}/{name}")
+    return ServiceKey(sys.intern(f"{namespace}/{name}"))

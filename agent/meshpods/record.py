@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from agent.slices.project import NODE_LABEL, node_label_value
-from agent.source.model import slim_pod
+from agent.source.model import intern_short, slim_pod
 from agent.source.objects import PodObject
 
 GROUP = "aether.io"
@@ -59,8 +59,9 @@ def pod_of(record: JSON) -> JSON | None:
     if not isinstance(body, dict) or not meta.get("name"):
         return None
     pod = slim_pod(cast(PodObject, {"apiVersion": "v1", **body}))
-    pod["metadata"]["name"] = meta["name"]  # slim_pod's dicts are its own: set in place
-    pod["metadata"]["namespace"] = meta.get("namespace") or "default"
+    # slim_pod's dicts are its own: set in place (interned, as slim_pod's own strings are)
+    pod["metadata"]["name"] = intern_short(meta["name"])
+    pod["metadata"]["namespace"] = intern_short(meta.get("namespace") or "default")
     return pod
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from agent.config import NodeConfig
+from agent.ids import pod_key, service_key
 from agent.scope.deps import DEFAULT_LEARN_TTL, DEPENDENCIES_ANNOTATION, DependencySet
 from agent.scope.registry import PodRecord, Registry
 from agent.scope.routes import ROUTE_KINDS, Route, RouteCatalog, route_from_object
@@ -108,8 +109,8 @@ class ServiceView:
 @dataclass
 class _Slice:
     service: str
-    pods: set[str]
-    ips: set[str]
+    pods: tuple[str, ...]  # tuples: a set of ten is 728 bytes, 10k Services hold two each
+    ips: tuple[str, ...]
     ports: dict[str, int]
     # address → (forZones, forNodes) of the endpoints the EndpointSlice controller hinted
     hints: dict[str, Hint] = field(default_factory=dict)
@@ -502,7 +503,9 @@ class MeshModel:
         if obj is not None:
             svc_name = ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
             if svc_name:
-                sl = _Slice(f"{ns}/{svc_name}", set(), set(), {})
+                pods: set[str] = set()
+                ips: set[str] = set()
+                sl = _Slice(service_key(ns, svc_name), (), (), {})
                 for p in obj.get("ports") or []:
                     if isinstance(p, dict) and isinstance(p.get("port"), int):
                         sl.ports[str(p.get("name") or "")] = p["port"]
@@ -511,11 +514,12 @@ class MeshModel:
                         continue
                     ref = ep.get("targetRef") or {}
                     if ref.get("kind") == "Pod" and ref.get("name"):
-                        sl.pods.add(sys.intern(f"{ref.get('namespace') or ns}/{ref['name']}"))
+                        pods.add(pod_key(ref.get("namespace") or ns, ref["name"]))
                     addresses = [str(a) for a in ep.get("addresses") or []]
-                    sl.ips.update(addresses)
+                    ips.update(addresses)
                     if (hint := _hint(ep)) is not None:
                         sl.hints.update((canonical_ip(a) or a, hint) for a in addresses)
+                sl.pods, sl.ips = tuple(pods), tuple(ips)
                 self._slices[skey] = sl
                 self._slices_by_svc.setdefault(sl.service, set()).add(skey)
         affected: set[str] = set()

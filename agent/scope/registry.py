@@ -52,10 +52,11 @@ class PodRecord:
 
     @property
     def identity(self) -> str:
-        return f"{self.namespace}/{self.service_account}"
+        # interned, as the SAN: every endpoint of the pod holds them (10 per pod at 100k)
+        return sys.intern(f"{self.namespace}/{self.service_account}")
 
     def san(self, trust_domain: str) -> str:
-        return spiffe_id(trust_domain, self.namespace, self.service_account)
+        return sys.intern(spiffe_id(trust_domain, self.namespace, self.service_account))
 
     def target_port(self, target: int | str) -> int | None:
         """A Service targetPort in this pod: ints as is, names via the containers' ports."""
@@ -135,8 +136,9 @@ class Registry:
         # (a 10k-Service relist was quadratic without them).
         self._rec_by_label: dict[tuple[str, str, str], set[str]] = {}  # (ns, k, v) → records
         self._svc_by_label: dict[tuple[str, str, str], set[str]] = {}  # first selector pair
-        self._slice_pods: dict[str, set[str]] = {}
-        self._slice_ips: dict[str, set[str]] = {}
+        # a Service's slices' pod refs and addresses (tuples: read whole, never probed)
+        self._slice_pods: dict[str, tuple[str, ...]] = {}
+        self._slice_ips: dict[str, tuple[str, ...]] = {}
         # pod key / IP → the selectorless Services whose slices name it (only those: a
         # selector Service's members come from labels, and indexing every endpoint of a
         # 10k-Service cluster cost two sets an endpoint)
@@ -305,7 +307,7 @@ class Registry:
         if sliced:
             self._unindex_slices(svc_key)
         if pod_keys or ips:
-            self._slice_pods[svc_key], self._slice_ips[svc_key] = set(pod_keys), ips
+            self._slice_pods[svc_key], self._slice_ips[svc_key] = tuple(pod_keys), tuple(ips)
         else:
             self._slice_pods.pop(svc_key, None)
             self._slice_ips.pop(svc_key, None)

@@ -116,8 +116,8 @@ def _slim_containers(value: Any) -> list[dict[str, Any]]:
     for c in _list(value):
         if not isinstance(c, dict):
             continue
-        kept: dict[str, Any] = {"name": _intern(c["name"])} if "name" in c else {}
-        ports = [{k: _intern(p[k]) for k in ("name", "containerPort", "protocol") if k in p}
+        kept: dict[str, Any] = {"name": intern_short(c["name"])} if "name" in c else {}
+        ports = [{k: intern_short(p[k]) for k in ("name", "containerPort", "protocol") if k in p}
                  for p in _list(c.get("ports")) if isinstance(p, dict)]
         if ports:
             kept["ports"] = ports
@@ -125,7 +125,7 @@ def _slim_containers(value: Any) -> list[dict[str, Any]]:
         held = {k: sc[k] for k in ("privileged",) if k in sc}
         add = _list(_map(sc.get("capabilities")).get("add"))
         if add:
-            held["capabilities"] = {"add": [_intern(x) for x in add]}
+            held["capabilities"] = {"add": [intern_short(x) for x in add]}
         if held:
             kept["securityContext"] = held
         out.append(kept)
@@ -153,14 +153,14 @@ def shared(value: Any) -> Any:
     return got
 
 
-def _intern(value: Any) -> Any:
+def intern_short(value: Any) -> Any:
     """Label keys and values, namespaces, node and ServiceAccount names repeat across every
     pod of a cluster: one string object each instead of one per pod."""
     return sys.intern(value) if isinstance(value, str) and len(value) <= 128 else value
 
 
 def _slim_map(value: Any) -> dict[str, Any]:
-    return {_intern(k): _intern(v) for k, v in _map(value).items()}
+    return {intern_short(k): intern_short(v) for k, v in _map(value).items()}
 
 
 def slim_pod(obj: PodObject) -> dict[str, Any]:
@@ -174,28 +174,28 @@ def slim_pod(obj: PodObject) -> dict[str, Any]:
     meta = _map(obj.get("metadata"))
     spec = _map(obj.get("spec"))
     status = _map(obj.get("status"))
-    m: dict[str, Any] = {k: _intern(meta[k]) for k in ("name", "namespace", "uid")
+    m: dict[str, Any] = {k: intern_short(meta[k]) for k in ("name", "namespace", "uid")
                          if k in meta}
     for k in ("labels", "annotations"):
         if meta.get(k):
             m[k] = shared(_slim_map(meta[k]))
     if meta.get("deletionTimestamp"):
         m["deletionTimestamp"] = meta["deletionTimestamp"]
-    owners = [{k: _intern(o[k]) for k in ("kind", "name", "controller") if k in o}
+    owners = [{k: intern_short(o[k]) for k in ("kind", "name", "controller") if k in o}
               for o in _list(meta.get("ownerReferences")) if isinstance(o, dict)]
     if owners:
         m["ownerReferences"] = shared(owners)
-    s: dict[str, Any] = {k: _intern(spec[k]) for k in
+    s: dict[str, Any] = {k: intern_short(spec[k]) for k in
                          ("nodeName", "serviceAccountName", "serviceAccount", "hostNetwork")
                          if k in spec}
     for k in ("containers", "initContainers"):
         if spec.get(k):
             s[k] = shared(_slim_containers(spec[k]))
-    st: dict[str, Any] = {k: _intern(status[k]) for k in ("phase", "podIP") if k in status}
-    ips = [{"ip": _intern(_map(x).get("ip"))} for x in _list(status.get("podIPs"))]
+    st: dict[str, Any] = {k: intern_short(status[k]) for k in ("phase", "podIP") if k in status}
+    ips = [{"ip": intern_short(_map(x).get("ip"))} for x in _list(status.get("podIPs"))]
     if ips and not (len(ips) == 1 and ips[0]["ip"] == st.get("podIP")):
         st["podIPs"] = ips  # a single-stack pod's [{"ip": podIP}] is podIP: readers fall back
-    ready = [{"type": "Ready", "status": _intern(c.get("status"))}
+    ready = [{"type": "Ready", "status": intern_short(c.get("status"))}
              for c in _list(status.get("conditions"))
              if isinstance(c, dict) and c.get("type") == "Ready"]
     if ready:
@@ -212,7 +212,7 @@ def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
     writes), and repeated strings and conditions are shared, so a 10k-Service cluster's
     slices cost what their endpoints are, not what their JSON was."""
     meta = _map(obj.get("metadata"))
-    m: dict[str, Any] = {k: _intern(meta[k]) for k in ("name", "namespace") if k in meta}
+    m: dict[str, Any] = {k: intern_short(meta[k]) for k in ("name", "namespace") if k in meta}
     if meta.get("labels"):
         m["labels"] = shared(_slim_map(meta["labels"]))
     if meta.get("deletionTimestamp"):
@@ -220,24 +220,24 @@ def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
     out: dict[str, Any] = {"apiVersion": obj.get("apiVersion", "discovery.k8s.io/v1"),
                            "kind": "EndpointSlice", "metadata": m}
     if "addressType" in obj:
-        out["addressType"] = _intern(obj["addressType"])
-    ports = [shared({k: _intern(p[k]) for k in ("name", "port", "protocol", "appProtocol")
+        out["addressType"] = intern_short(obj["addressType"])
+    ports = [shared({k: intern_short(p[k]) for k in ("name", "port", "protocol", "appProtocol")
                      if k in p}) for p in _list(obj.get("ports")) if isinstance(p, dict)]
     out["ports"] = shared(ports) if ports else []
     endpoints = []
     for ep in _list(obj.get("endpoints")):
         if not isinstance(ep, dict):
             continue
-        e: dict[str, Any] = {"addresses": [_intern(a) for a in _list(ep.get("addresses"))]}
+        e: dict[str, Any] = {"addresses": [intern_short(a) for a in _list(ep.get("addresses"))]}
         for k in ("conditions", "hints"):
             if isinstance(ep.get(k), dict):
                 e[k] = shared(ep[k])
         for k in ("nodeName", "zone"):
             if k in ep:
-                e[k] = _intern(ep[k])
+                e[k] = intern_short(ep[k])
         ref = _map(ep.get("targetRef"))
         if ref:
-            e["targetRef"] = {k: _intern(ref[k]) for k in ("kind", "namespace", "name")
+            e["targetRef"] = {k: intern_short(ref[k]) for k in ("kind", "namespace", "name")
                               if k in ref}
         endpoints.append(e)
     out["endpoints"] = endpoints
@@ -250,7 +250,7 @@ def slim_node(obj: NodeObject) -> dict[str, Any]:
     is no change at all here."""
     meta = _map(obj.get("metadata"))
     zone = _map(meta.get("labels")).get("topology.kubernetes.io/zone")
-    m: dict[str, Any] = {"name": _intern(meta.get("name") or "")}
+    m: dict[str, Any] = {"name": intern_short(meta.get("name") or "")}
     if zone:
-        m["labels"] = {"topology.kubernetes.io/zone": _intern(zone)}
+        m["labels"] = {"topology.kubernetes.io/zone": intern_short(zone)}
     return {"apiVersion": "v1", "kind": "Node", "metadata": m}
