@@ -107,6 +107,9 @@ def _cpu_s(pid: int) -> float:
 class Cluster:
     """The API server process and the agent process for one size."""
 
+    #: how the agent is started (``bench.agent_census`` wraps it to count its objects)
+    entry: tuple[str, ...] = ("-m", "agent.cli")
+
     def __init__(self, root: str, pods: int, services: int, nodes: int, local: int,
                  remote_pods: str = "meshpods") -> None:
         self.remote_pods = remote_pods
@@ -135,7 +138,7 @@ class Cluster:
         """Start the agent; returns seconds to ready (see the module docstring)."""
         for d in ("cni", "bin"):
             os.makedirs(os.path.join(self.dir, d), exist_ok=True)
-        cmd = [sys.executable, "-m", "agent.cli", "run",
+        cmd = [sys.executable, *self.entry, "run",
                "--kubeconfig", os.path.join(self.dir, "kubeconfig"),
                "--node-name", LOCAL_NODE, "--run-dir", self.run_dir, "--scope", "all",
                "--cni-conf-dir", os.path.join(self.dir, "cni"),

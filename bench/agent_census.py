@@ -1,0 +1,145 @@
+"""Diagnostic: where the real agent's memory goes at cluster scale (not a benchmark row).
+
+    python -m bench.agent_census [--pods 100000] [--services 10000] [--out DIR]
+
+Runs one size of ``bench.agent_scale`` (the test API server, the real ``aether-agent run``
+with its Envoy) with the agent started through this module, which installs a SIGUSR2
+handler; once the agent is ready it is signalled and writes, into ``--out``:
+
+- ``census.txt``: gc-tracked objects by type (count, ``sys.getsizeof`` total), then the
+  untracked ones reachable from them (strings, bytes, atomic-only dicts and tuples), then the
+  string and bytes "shapes" (digits folded to 9) holding the most memory: a string held once
+  per endpoint instead of once per identity shows up as a shape far bigger than its count;
+- ``mallocstats.txt``: ``sys._debugmallocstats()`` (pymalloc's arenas and blocks in use).
+
+What it found is in ``bench/README.md`` (the session notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import re
+import runpy
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+DONE = "census.done"
+
+
+def _shape(value: str | bytes) -> str:
+    if isinstance(value, bytes):
+        return repr(re.sub(rb"[0-9]", b"9", value[:40]))
+    return repr(re.sub(r"[0-9]", "9", value[:40]))
+
+
+def census(out: str) -> None:
+    """Write the census files into ``out`` (runs in the agent, on its main thread)."""
+    gc.collect()
+    size: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    usize: collections.Counter[str] = collections.Counter()
+    ucount: collections.Counter[str] = collections.Counter()
+    shapes: dict[str, collections.Counter[str]] = {"str": collections.Counter(),
+                                                    "bytes": collections.Counter()}
+    seen: set[int] = set()
+    for obj in gc.get_objects():
+        name = type(obj).__name__
+        count[name] += 1
+        size[name] += sys.getsizeof(obj)
+        # untracked objects (strings, and dicts/tuples holding only atomic values, which
+        # gc stops tracking) reachable from it, through untracked containers too
+        stack = list(gc.get_referents(obj))
+        while stack:
+            ref = stack.pop()
+            if gc.is_tracked(ref) or id(ref) in seen:
+                continue
+            seen.add(id(ref))
+            rname = type(ref).__name__
+            n = sys.getsizeof(ref)
+            usize[rname] += n
+            ucount[rname] += 1
+            if isinstance(ref, (str, bytes)):
+                shapes[rname][_shape(ref)] += n
+            elif isinstance(ref, (dict, tuple)):
+                stack.extend(gc.get_referents(ref))
+    with open(os.path.join(out, "census.txt"), "w") as f:
+        f.write("gc-tracked objects: type, count, MB\n")
+        for name, n in size.most_common(30):
+            f.write(f"{name:32s} {count[name]:9d} {n / 2**20:8.1f}\n")
+        f.write("\nuntracked objects reachable from them\n")
+        for name, n in usize.most_common(10):
+            f.write(f"{name:32s} {ucount[name]:9d} {n / 2**20:8.1f}\n")
+        for kind, by_shape in shapes.items():
+            f.write(f"\n{kind} shapes holding the most (MB)\n")
+            for shape, n in by_shape.most_common(20):
+                f.write(f"{n / 2**20:8.1f}  {shape}\n")
+    fd = os.open(os.path.join(out, "mallocstats.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        sys._debugmallocstats()
+    finally:
+        os.dup2(saved, 2)
+        os.close(fd)
+        os.close(saved)
+    open(os.path.join(out, DONE), "w").close()  # noqa: SIM115 - a marker
+
+
+def _child(out: str, argv: list[str]) -> None:
+    """The agent, with the census on SIGUSR2."""
+    signal.signal(signal.SIGUSR2, lambda *_: census(out))
+    sys.argv = ["agent.cli", *argv]
+    runpy.run_module("agent.cli", run_name="__main__")
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3:])
+        return 0
+    from agent.netns.pin import release_mounts_under
+    from bench.agent_scale import Cluster
+    from bench.common import progress
+
+    ap = argparse.ArgumentParser(prog="python -m bench.agent_census")
+    ap.add_argument("--pods", type=int, default=100_000)
+    ap.add_argument("--services", type=int, default=10_000)
+    ap.add_argument("--nodes", type=int, default=300)
+    ap.add_argument("--local", type=int, default=110)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    out = os.path.abspath(a.out or tempfile.mkdtemp(prefix="aether-census-"))
+    os.makedirs(out, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="aether-census-run-")
+    c = Cluster(root, a.pods, a.services, a.nodes, a.local)
+    c.entry = ("-m", "bench.agent_census", "--child", out)
+    try:
+        progress(f"loading the API server with {a.pods} Pods, {a.services} Services …")
+        c.start_api()
+        ready = c.start_agent()
+        mem = c.memory()
+        progress(f"ready in {ready:.1f} s, agent RSS {mem['agent_rss_mb']:.0f} MB; counting …")
+        assert c.agent is not None
+        os.kill(c.agent.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(out, DONE)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the agent wrote no census within 600 s")
+            time.sleep(0.5)
+        with open(os.path.join(out, "census.txt")) as f:
+            print(f.read())
+        print(f"(and {os.path.join(out, 'mallocstats.txt')})")
+    finally:
+        c.stop()
+        release_mounts_under(root)  # the agent's shared <run-dir>/netns mount
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
