@@ -131,3 +131,15 @@ def test_label_maps_are_shared_between_pods_and_looked_up_by_their_items() -> No
     assert a["metadata"]["labels"]["version"] == "v1"  # the shared map was not changed
     assert shared_map({"a": ["not", "hashable"]}) == {"a": ["not", "hashable"]}
     assert shared_map(None) == {} and shared_map({}) == {}
+
+
+def test_the_registrys_lean_reader_agrees_with_the_full_one_on_what_it_reads() -> None:
+    from agent.source.model import pod_identity_from_object
+    for obj in (slim_pod(realistic_pod(4)), realistic_pod(5), {"metadata": {"name": "bare"}}):
+        full, lean = pod_from_object(obj), pod_identity_from_object(obj)
+        for field in ("namespace", "name", "uid", "labels", "annotations", "service_account",
+                      "node_name", "host_network", "key"):
+            assert getattr(lean, field) == getattr(full, field), field
+    hostnet = realistic_pod(6)
+    hostnet["spec"]["hostNetwork"] = True  # what `managed` refuses: the lean reader keeps it
+    assert pod_identity_from_object(hostnet).host_network is True

@@ -24,7 +24,12 @@ from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
 from agent.ids import PodKey
 from agent.scope.services import canonical_ip
-from agent.source.model import NamespaceMeta, namespace_from_object, pod_from_object, shared
+from agent.source.model import (
+    NamespaceMeta,
+    namespace_from_object,
+    pod_identity_from_object,
+    shared,
+)
 from agent.source.objects import PodObject
 
 
@@ -352,7 +357,7 @@ class Registry:
         phase = str((obj.get("status") or {}).get("phase") or "")
         if phase in ("Succeeded", "Failed"):
             return None  # finished pods are no endpoints, even if the object lingers
-        meta = pod_from_object(obj)
+        meta = pod_identity_from_object(obj)
         if reg is None and not managed(meta, self._namespaces.get(meta.namespace), self.node)[0]:
             return None
         ips = _pod_ips(obj)
