@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
@@ -55,28 +55,14 @@ def _str_map(value: Any) -> dict[str, str]:
 
 def pod_from_object(obj: Mapping[str, Any]) -> PodMeta:
     """Kubernetes Pod JSON → PodMeta (missing fields take Kubernetes' defaults)."""
-    meta = _map(obj.get("metadata"))
     spec = _map(obj.get("spec"))
     status = _map(obj.get("status"))
     ips = [str(_map(x).get("ip") or "") for x in _list(status.get("podIPs"))]
     if not ips and status.get("podIP"):
         ips = [str(status["podIP"])]
-    return PodMeta(
-        namespace=str(meta.get("namespace") or "default"),
-        name=str(meta.get("name") or ""),
-        uid=str(meta.get("uid") or ""),
-        labels=_str_map(meta.get("labels")),
-        annotations=_str_map(meta.get("annotations")),
-        service_account=str(
-            spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
-        ),
-        node_name=str(spec.get("nodeName") or ""),
-        host_network=bool(spec.get("hostNetwork") or False),
-        net_admin=_holds_net_admin(spec),
-        ips=tuple(ip for ip in ips if ip),
-        phase=str(status.get("phase") or ""),
-        workload=workload_of(str(meta.get("name") or ""), obj),
-    )
+    base = pod_identity_from_object(obj)
+    return replace(base, net_admin=_holds_net_admin(spec), ips=tuple(ip for ip in ips if ip),
+                   phase=str(status.get("phase") or ""), workload=workload_of(base.name, obj))
 
 
 def pod_identity_from_object(obj: Mapping[str, Any]) -> PodMeta:
