@@ -327,10 +327,8 @@ class EnvoyNode(Node):
         """Wait for a DEL'd pod's listener to leave Envoy. DEL returns before Envoy's ACK (it
         never waits on the proxy), so the withdrawal settles with the next ACK."""
         name = f"capture-{container_id}"
-        deadline = time.monotonic() + timeout
-        while name in self.listeners():
-            assert time.monotonic() < deadline, f"{name} still in Envoy {timeout} s after DEL"
-            time.sleep(0.05)
+        until(lambda: name not in self.listeners(), f"{name} still in Envoy {timeout} s after "
+              "DEL", timeout)
 
     def envoy_pid(self) -> int:
         pid = self.agent.status()["envoy"]["pid"]

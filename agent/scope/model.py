@@ -9,7 +9,6 @@ bookkeeping under one lock; no I/O, so every rule here is unit-testable.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -394,7 +393,7 @@ class MeshModel:
     def _apply_remote_pod(self, ns: str, name: str, obj: dict[str, Any] | None) -> set[str]:
         """A MeshPod record: the registry takes it as a Pod unless this node knows the pod
         itself (its own Pod watch or a CNI ADD) or the record says it is ours."""
-        key = sys.intern(f"{ns}/{name}")  # the registry's own key object: held once
+        key = pod_key(ns, name)  # interned: the registry's own key object, held once
         node = str(((obj or {}).get("spec") or {}).get("nodeName") or "")
         remote = key in self._remote_pods
         ours = self.registry.is_local(key) or (
@@ -505,10 +504,11 @@ class MeshModel:
             if svc_name:
                 pods: set[str] = set()
                 ips: set[str] = set()
-                sl = _Slice(service_key(ns, svc_name), (), (), {})
+                slice_ports: dict[str, int] = {}
+                slice_hints: dict[str, Hint] = {}
                 for p in obj.get("ports") or []:
                     if isinstance(p, dict) and isinstance(p.get("port"), int):
-                        sl.ports[str(p.get("name") or "")] = p["port"]
+                        slice_ports[str(p.get("name") or "")] = p["port"]
                 for ep in obj.get("endpoints") or []:
                     if not isinstance(ep, dict):
                         continue
@@ -518,8 +518,9 @@ class MeshModel:
                     addresses = [str(a) for a in ep.get("addresses") or []]
                     ips.update(addresses)
                     if (hint := _hint(ep)) is not None:
-                        sl.hints.update((canonical_ip(a) or a, hint) for a in addresses)
-                sl.pods, sl.ips = tuple(pods), tuple(ips)
+                        slice_hints.update((canonical_ip(a) or a, hint) for a in addresses)
+                sl = _Slice(service_key(ns, svc_name), tuple(pods), tuple(ips), slice_ports,
+                            slice_hints)
                 self._slices[skey] = sl
                 self._slices_by_svc.setdefault(sl.service, set()).add(skey)
         affected: set[str] = set()

@@ -22,7 +22,7 @@ from typing import Any
 from agent.capture.policy import managed
 from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
-from agent.ids import PodKey
+from agent.ids import PodKey, pod_key
 from agent.scope.services import canonical_ip
 from agent.source.model import (
     NamespaceMeta,
@@ -53,7 +53,7 @@ class PodRecord:
 
     @property
     def key(self) -> PodKey:
-        return PodKey(sys.intern(f"{self.namespace}/{self.name}"))
+        return pod_key(self.namespace, self.name)
 
     @property
     def identity(self) -> str:
@@ -196,7 +196,7 @@ class Registry:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
         m = obj.get("metadata") or {}
         ns = str(m.get("namespace") or "default")
-        key = sys.intern(f"{ns}/{m.get('name') or ''}")  # PodMeta.key, without building it
+        key = pod_key(ns, str(m.get("name") or ""))  # PodMeta.key, without building it
         self._api[key] = obj
         self._pod_keys_by_ns.setdefault(ns, set()).add(key)
         return self._refresh_pods({key})

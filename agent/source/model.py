@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.ids import pod_key
 from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
 from agent.workload import workload_of
 
@@ -33,7 +34,7 @@ class PodMeta:
     @property
     def key(self) -> str:
         # interned: the registry's maps and sets all hold this one string per pod
-        return sys.intern(f"{self.namespace}/{self.name}")
+        return pod_key(self.namespace, self.name)
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,6 @@ class _Event:
     old: JSON | None = None  # MODIFIED: what it was (selectors may match one, not the other)
 
 
-
 StoreKey = tuple[str, str, str, str]  # (apiVersion, plural, namespace, name)
 
 
