@@ -4,6 +4,7 @@ only the backend's SAN; the backend application sees the caller's SPIFFE ID."""
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import json
 import os
@@ -309,6 +310,7 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
             return int(r.status)
 
         kept_statuses: list[int] = []
+        start = time.time()
         end = time.monotonic() + 8  # renewals every 3 s: at least two for each identity
         while time.monotonic() < end:
             kept_statuses.append(run_in_netns(client.netns, on_kept))
@@ -320,11 +322,37 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
         assert after - before >= 4, (before, after)  # both identities, twice
         assert mnode.stat("cluster.mtls|app|client.client_ssl_socket_factory."
                           "ssl_context_update_by_sds") >= updates + 2
-        assert len(statuses) > 20 and set(statuses) == {200}, errors
-        assert len(kept_statuses) > 4 and set(kept_statuses) == {200}, kept_statuses
+        assert len(statuses) > 20 and set(statuses) == {200}, _rotation_report(
+            mnode, errors, start)
+        assert len(kept_statuses) > 4 and set(kept_statuses) == {200}, _rotation_report(
+            mnode, kept_statuses, start)
         kept.close()
     finally:
         srv.shutdown()
+
+
+def _rotation_report(node: EnvoyNode, failures: Any, start: float) -> str:
+    """What a failed rotation run needs to be understood: the failures, the agent's
+    rotations and connection records since the stream started (wall-clock offsets), and
+    Envoy's TLS and connection-failure counters."""
+    lines = [f"failures (s into the stream, error): {failures}"]
+    for r in node.agent.log_records():
+        try:
+            ts = datetime.datetime.strptime(str(r.get("ts")), "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+                tzinfo=datetime.UTC).timestamp()
+        except ValueError:
+            continue
+        if ts < start - 1:
+            continue
+        msg = str(r.get("msg", ""))
+        if "rotated" in msg or r.get("flags") not in (None, "", "-") or r.get("level") in (
+                "warning", "error"):
+            lines.append(f"{ts - start:+.2f} {json.dumps(r, default=str)[:400]}")
+    stats = node.admin("/stats?filter=(ssl\\.|cx_connect_fail|cx_connect_timeout|"
+                       "rq_timeout|cx_destroy_with_active_rq|handshake|"
+                       "downstream_cx_overflow|no_healthy)")
+    lines += [ln for ln in stats.splitlines() if not ln.endswith(": 0")]
+    return "\n".join(lines)
 
 
 def test_spire_delegate_provider_end_to_end(workdir: str, bridge_name: str) -> None:

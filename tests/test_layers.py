@@ -29,7 +29,7 @@ PURE = (
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
     "agent.meshpods.record", "agent.slices.project", "agent.source.model",
     "agent.envoy.golden", "agent.source.base", "agent.source.objects", "agent.workload",
-    "agent.ids",
+    "agent.ids", "agent.source.packed",
 ) + tuple(  # every module of the pure packages, the ones added later included
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in ("capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))

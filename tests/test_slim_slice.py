@@ -9,6 +9,7 @@ from typing import Any
 from agent.scope.model import MeshModel
 from agent.source.base import WatchEvent
 from agent.source.model import slim_endpoint_slice
+from agent.source.packed import Packed, unpacked
 
 
 def realistic_slice(svc: str = "web", ns: str = "shop") -> dict[str, Any]:
@@ -64,7 +65,21 @@ def test_what_the_mesh_reads_survives_and_the_rest_goes() -> None:
     assert (ep["nodeName"], ep["zone"]) == ("node-3", "z1")
     assert ep["hints"] == {"forZones": [{"name": "z1"}]}
     assert ep["targetRef"] == {"kind": "Pod", "namespace": "shop", "name": "web-3"}
-    assert len(json.dumps(slim)) < len(json.dumps(raw)) * 0.7
+    plain = {**slim, "endpoints": [unpacked(e) for e in slim["endpoints"]]}
+    assert len(json.dumps(plain)) < len(json.dumps(raw)) * 0.7
+
+
+def test_an_endpoint_is_one_packed_object_equal_to_its_dict() -> None:
+    """Each endpoint is packed (one object, not an endpoint dict and a targetRef dict): a
+    10k-Service cluster holds one per remote pod. It reads and compares as the dict did."""
+    slim = slim_endpoint_slice(realistic_slice())
+    ep = slim["endpoints"][2]
+    assert isinstance(ep, Packed)
+    assert ep == {"addresses": ["10.0.0.3"], "conditions": ep["conditions"],
+                  "nodeName": "node-3", "zone": "z1", "hints": ep["hints"],
+                  "targetRef": {"kind": "Pod", "namespace": "shop", "name": "web-3"}}
+    assert ep.get("targetRef") is not ep.get("targetRef")  # a fresh dict: nothing to mutate
+    assert slim == slim_endpoint_slice(realistic_slice())  # a relist finds it unchanged
 
 
 def test_equal_conditions_are_one_object() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -510,7 +510,7 @@ class MeshModel:
                     if isinstance(p, dict) and isinstance(p.get("port"), int):
                         slice_ports[str(p.get("name") or "")] = p["port"]
                 for ep in obj.get("endpoints") or []:
-                    if not isinstance(ep, dict):
+                    if not isinstance(ep, Mapping):  # a dict, or packed (slim)
                         continue
                     ref = ep.get("targetRef") or {}
                     if ref.get("kind") == "Pod" and ref.get("name"):

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.ids import pod_key
 from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
+from agent.source.packed import pack
 from agent.workload import workload_of
 
 
@@ -269,7 +270,7 @@ def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
         if ref:
             e["targetRef"] = {k: intern_short(ref[k]) for k in ("kind", "namespace", "name")
                               if k in ref}
-        endpoints.append(e)
+        endpoints.append(pack(e, ("targetRef",)))  # one object an endpoint, not three
     out["endpoints"] = endpoints
     return out
 
