@@ -24,6 +24,7 @@ from agent.config import NodeConfig
 from agent.identity.svid import spiffe_id
 from agent.ids import PodKey, pod_key
 from agent.scope.services import canonical_ip
+from agent.scope.small_sets import Bucket, add_to, bucket, discard_from
 from agent.source.model import (
     NamespaceMeta,
     namespace_from_object,
@@ -132,14 +133,15 @@ class Registry:
         self._namespaces: dict[str, NamespaceMeta] = {}
         self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
         self._records: dict[str, PodRecord] = {}
-        self._by_identity: dict[str, set[str]] = {}
+        # buckets (agent.scope.small_sets): tuples while small, sets beyond
+        self._by_identity: dict[str, Bucket] = {}
         self._by_ip: dict[str, str] = {}
         # membership
         self._selectors: dict[str, tuple[str, dict[str, str] | None]] = {}
         self._svcs_by_ns: dict[str, set[str]] = {}
         # Inverted label indexes: selector matching costs O(matches), not O(pods × Services)
         # (a 10k-Service relist was quadratic without them).
-        self._rec_by_label: dict[tuple[str, str, str], set[str]] = {}  # (ns, k, v) → records
+        self._rec_by_label: dict[tuple[str, str, str], Bucket] = {}  # (ns, k, v) → records
         self._svc_by_label: dict[tuple[str, str, str], set[str]] = {}  # first selector pair
         # a Service's slices' pod refs and addresses (tuples: read whole, never probed)
         self._slice_pods: dict[str, tuple[str, ...]] = {}
@@ -149,7 +151,7 @@ class Registry:
         # 10k-Service cluster cost two sets an endpoint)
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
-        self._members: dict[str, set[str]] = {}
+        self._members: dict[str, Bucket] = {}
         # pod key → its Services: a tuple (most pods are in one or two; a set is 216 bytes)
         self._pod_svcs: dict[str, tuple[str, ...]] = {}
 
@@ -397,16 +399,16 @@ class Registry:
             else:
                 self._records[key] = new
                 for lk, lv in new.labels.items():
-                    self._rec_by_label.setdefault((new.namespace, lk, lv), set()).add(key)
-                self._by_identity.setdefault(new.identity, set()).add(key)
+                    add_to(self._rec_by_label, (new.namespace, lk, lv), key)
+                add_to(self._by_identity, new.identity, key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
             old_svcs = set(self._pod_svcs.get(key, ()))
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
-                self._members.get(s, set()).discard(key)
+                discard_from(self._members, s, key)
             for s in new_svcs - old_svcs:
-                self._members.setdefault(s, set()).add(key)
+                add_to(self._members, s, key)
             if new_svcs:
                 self._pod_svcs[key] = tuple(new_svcs)
             else:
@@ -416,16 +418,8 @@ class Registry:
 
     def _unindex(self, rec: PodRecord) -> None:
         for lk, lv in rec.labels.items():
-            recs = self._rec_by_label.get((rec.namespace, lk, lv))
-            if recs is not None:
-                recs.discard(rec.key)
-                if not recs:
-                    del self._rec_by_label[(rec.namespace, lk, lv)]
-        ids = self._by_identity.get(rec.identity)
-        if ids is not None:
-            ids.discard(rec.key)
-            if not ids:
-                del self._by_identity[rec.identity]
+            discard_from(self._rec_by_label, (rec.namespace, lk, lv), rec.key)
+        discard_from(self._by_identity, rec.identity, rec.key)
         for ip in rec.ips:
             if self._by_ip.get(ip) == rec.key:
                 del self._by_ip[ip]
@@ -450,7 +444,7 @@ class Registry:
             ns, selector = entry
             if selector is not None:
                 if selector:
-                    sets = sorted((self._rec_by_label.get((ns, k, v), set())
+                    sets = sorted((self._rec_by_label.get((ns, k, v), ())
                                    for k, v in selector.items()), key=len)
                     members = set(sets[0]).intersection(*sets[1:])
             else:
@@ -461,7 +455,7 @@ class Registry:
         return self._set_members(svc_key, members)
 
     def _set_members(self, svc_key: str, members: set[str]) -> bool:
-        old = self._members.get(svc_key, set())
+        old = set(self._members.get(svc_key, ()))
         if old == members:
             return False
         for k in old - members:
@@ -476,6 +470,6 @@ class Registry:
             s = self._pod_svcs.get(k, ())
             if svc_key not in s:
                 self._pod_svcs[k] = (*s, svc_key)
-        self._members[svc_key] = members
+        self._members[svc_key] = bucket(members)
         return True
 
