@@ -266,12 +266,13 @@ def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
     addr = lb.endpoint.address.envoy_internal_address
     addr.server_listener_name = MTLS_OUT_LISTENER
     addr.endpoint_id = target
-    odst = struct_pb2.Struct()
-    odst.update({"local": target})
-    lb.metadata.filter_metadata[ORIGINAL_DST_METADATA].CopyFrom(odst)
-    md = struct_pb2.Struct()
-    md.update({"san": san, **{k: v for k, v in (extra or {}).items() if v}})
-    lb.metadata.filter_metadata[AETHER_METADATA].CopyFrom(md)
+    # set in place (as resources._lb_endpoint): one per mesh endpoint at cluster scale
+    lb.metadata.filter_metadata[ORIGINAL_DST_METADATA].fields["local"].string_value = target
+    fields = lb.metadata.filter_metadata[AETHER_METADATA].fields
+    fields["san"].string_value = san
+    for k, v in (extra or {}).items():
+        if v:
+            fields[k].string_value = v
     return lb
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from agent.ids import pod_key
 from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
 from agent.source.packed import pack
@@ -143,17 +145,21 @@ def _slim_containers(value: Any) -> list[dict[str, Any]]:
 
 #: Sub-structures of slim pods, shared by value (``shared``); cleared when it grows past
 #: SHARED_MAX entries, which only costs the sharing of what comes next.
-_SHARED: dict[str, Any] = {}
+_SHARED: dict[bytes, Any] = {}
 SHARED_MAX = 200_000
 
 
 def shared(value: Any) -> Any:
     """One object for equal labels, annotations, owners, containers or conditions: the pods
     of one ReplicaSet hold the same ones, so 100k pods hold a few thousand of each. Slim pods
-    are therefore immutable: nothing may change one in place."""
+    are therefore immutable: nothing may change one in place. Keyed by type and JSON
+    (orjson: ~7x faster than repr, three of these a pod), repr where JSON cannot say it."""
     if not value:
         return value
-    key = f"{type(value).__name__}{value!r}"
+    try:
+        key = type(value).__name__.encode() + orjson.dumps(value)
+    except TypeError:
+        key = f"{type(value).__name__}{value!r}".encode()
     got = _SHARED.get(key)
     if got is None:
         if len(_SHARED) >= SHARED_MAX:
