@@ -106,10 +106,16 @@ def tcp_stats_log() -> accesslog_pb2.AccessLog:
 
 
 def bootstrap_stats_config() -> dict[str, object]:
-    """The bootstrap's ``stats_config``: the request-duration histogram's buckets."""
-    return {"histogram_bucket_settings": [{
-        "match": {"prefix": f"{STAT_PREFIX}.request_duration"},
-        "buckets": list(DURATION_BUCKETS_US)}]}
+    """The bootstrap's ``stats_config``: the request-duration histogram's buckets, and no
+    default tag extraction. Envoy runs its ~30 default tag regexes over every stat name it
+    creates; at 10k Services that was a third of adding their clusters (4.6 -> 2.9 s for
+    10k clusters on this machine, measured with a bare Envoy). Nothing reads those tags:
+    the agent reads built-in stats by name (``/stats``) and its own ``aether.*`` stats,
+    whose tags the stats access loggers set explicitly (``_stat``), from Prometheus."""
+    return {"use_all_default_tags": False,
+            "histogram_bucket_settings": [{
+                "match": {"prefix": f"{STAT_PREFIX}.request_duration"},
+                "buckets": list(DURATION_BUCKETS_US)}]}
 
 
 # ---- reading Envoy's stats back ---------------------------------------------------------
