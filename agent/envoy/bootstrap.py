@@ -108,6 +108,11 @@ def build_bootstrap(
         }],
         # the golden metrics' request-duration buckets (agent.envoy.golden)
         "stats_config": bootstrap_stats_config(),
+        # A cluster's traffic stats (upstream_cx_*, upstream_rq_*: 66 of its 107) are made
+        # on its first connection, not when it is added: most of a node's 10k Service
+        # clusters never carry one. A bare Envoy adding 10k clusters: 2.8 -> 1.6 s and
+        # 527 -> 335 MB RSS (measured here). Readers see a missing stat as zero.
+        "deferred_stat_options": {"enable_deferred_creation_stats": True},
         # An internal listener's connection closed with data its peer has not read yet is
         # sent as a reset by default (1.40): an HTTP chain answering `Connection: close`
         # reached the pod's capture listener as a reset and the client lost the answer
