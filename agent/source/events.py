@@ -74,8 +74,8 @@ class ObjectStore:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._objects: dict[ObjKey, dict[str, Any]] = {}
-        # the same objects by kind: readers ask for one kind of a store holding 100k Pods
+        # the objects by kind, the only index: readers ask for one kind of a store holding
+        # 100k Pods, and a second, flat index cost a dict entry an object
         self._kinds: dict[str, dict[ObjKey, dict[str, Any]]] = {}
         self._subscribers: list[Callback] = []
 
@@ -83,7 +83,8 @@ class ObjectStore:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
-            return self._objects.get((kind, namespace, name))
+            objs = self._kinds.get(kind)
+            return objs.get((kind, namespace, name)) if objs else None
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:
@@ -91,7 +92,7 @@ class ObjectStore:
 
     def snapshot(self) -> dict[ObjKey, dict[str, Any]]:
         with self._lock:
-            return dict(self._objects)
+            return {k: o for objs in self._kinds.values() for k, o in objs.items()}
 
     def counts(self) -> dict[str, int]:
         """Objects held per kind, from the by-kind index (no pass over the objects)."""
@@ -100,7 +101,7 @@ class ObjectStore:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._objects)
+            return sum(len(objs) for objs in self._kinds.values())
 
     # ---- subscribing -----------------------------------------------------------------------
 
@@ -108,8 +109,9 @@ class ObjectStore:
         """Subscribe; with replay the current contents arrive first as ADDED. Returns unsubscribe."""
         with self._lock:
             if replay:
-                for key in sorted(self._objects):
-                    self._call(callback, WatchEvent("ADDED", key[0], self._objects[key]))
+                objects = self.snapshot()
+                for key in sorted(objects):
+                    self._call(callback, WatchEvent("ADDED", key[0], objects[key]))
             self._subscribers.append(callback)
 
         def unsubscribe() -> None:
@@ -140,18 +142,17 @@ class ObjectStore:
         """
         key = object_key(event.kind, event.obj)
         with self._lock:
-            old = self._objects.get(key)
+            objs = self._kinds.setdefault(event.kind, {})
+            old = objs.get(key)
             if event.type == "DELETED":
                 if old is None:
                     return None
-                del self._objects[key]
-                del self._kinds[event.kind][key]
+                del objs[key]
                 out = WatchEvent("DELETED", event.kind, event.obj)
             else:
                 if old is not None and _same(old, event.obj):
                     return None
-                self._objects[key] = event.obj
-                self._kinds.setdefault(event.kind, {})[key] = event.obj
+                objs[key] = event.obj
                 out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
             self._publish(out)
             return out
