@@ -175,6 +175,11 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
     assert re.search(STATS_FILTER, "cluster.pod|app|db|10.0.0.5|5432.upstream_cx_active")
     assert not re.search(STATS_FILTER, "cluster.passthrough.upstream_cx_active")
     assert envoy_stats.parse({}) == envoy_stats.empty()
+    # a served Service whose cluster never carried a connection has no traffic stats yet
+    # (Envoy makes them on first use): it is there, at zero; stats still sum on top
+    seeded = envoy_stats.parse(doc, ["app/idle", "app/web"])
+    assert seeded["active"] == {"app/idle": 0, "app/web": 4, "app/db": 2}
+    assert seeded["bytes"] == {"app/idle": [0, 0], "app/web": [100, 900], "app/db": [5, 0]}
     m = Metrics()
     m.envoy_traffic_source = lambda: got
     text = m.render().decode()

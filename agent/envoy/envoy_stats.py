@@ -13,7 +13,7 @@ Pure: the admin's ``/stats?format=json`` document in, plain data out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # tcp_proxy stat prefixes of the passthrough chains (agent.envoy.resources)
@@ -30,10 +30,16 @@ def empty() -> dict[str, Any]:
             "bytes": {}}
 
 
-def parse(doc: Mapping[str, Any]) -> dict[str, Any]:
+def parse(doc: Mapping[str, Any], services: Iterable[str] = ()) -> dict[str, Any]:
     """``{"passthrough": {class: {"total", "active"}}, "active": {"<ns>/<svc>": n},
-    "bytes": {"<ns>/<svc>": [sent to it, received from it]}}``."""
+    "bytes": {"<ns>/<svc>": [sent to it, received from it]}}``. Every Service in
+    ``services`` (``<ns>/<name>``: those Envoy holds a cluster for) is there, at zero until
+    its cluster carries a connection: Envoy creates a cluster's traffic stats on first use
+    (``deferred_stat_options``), and a counter should exist from the start."""
     out = empty()
+    for svc in services:
+        out["active"][svc] = 0
+        out["bytes"][svc] = [0, 0]
     by_prefix = {v: k for k, v in PASSTHROUGH_STATS.items()}
     for s in doc.get("stats") or []:
         if not isinstance(s, Mapping) or "value" not in s:

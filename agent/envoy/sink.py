@@ -378,7 +378,8 @@ class EnvoySink:
             code, body = admin_request(self.admin, "GET", path, timeout=1.0)
             if code != 200:
                 raise ValueError(f"envoy admin answered {code} for its stats")
-            figures: dict[str, Any] = {"envoy": envoy_stats.parse(json.loads(body))}
+            served = [f"{v.namespace}/{v.name}" for v in self._services]
+            figures: dict[str, Any] = {"envoy": envoy_stats.parse(json.loads(body), served)}
             path = "/stats/prometheus?filter=" + urllib.parse.quote(golden.STATS_FILTER)
             code, text = admin_request(self.admin, "GET", path, timeout=2.0)
             if code != 200:
