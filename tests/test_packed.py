@@ -37,6 +37,8 @@ def test_equality_and_shapes() -> None:
     assert a == b and a != c
     assert a._layout is b._layout is c._layout  # one shape, held once
     assert a != pack({"m": {"n": "a", "x": 1}, "k": 1}, ("m",))  # another shape
+    reordered = pack({"k": 1, "m": {"n": "a"}}, ("m",))  # same content, keys in another order
+    assert reordered._layout is not a._layout and reordered == a  # equal, as the dicts are
     assert a != {"m": {"n": "a"}} and a != 3
 
 

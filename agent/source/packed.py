@@ -64,8 +64,8 @@ class Packed(Mapping[str, Any]):
         return len(self._layout.keys)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Packed):
-            return self._layout is other._layout and self._values == other._values
+        if isinstance(other, Packed) and self._layout is other._layout:
+            return self._values == other._values  # the common case: one shape, no dicts
         if isinstance(other, Mapping):
             return self.unpack() == dict(other.items())
         return NotImplemented
