@@ -33,6 +33,7 @@ __all__ = [
     "prepare_pod",
     "progress",
     "make_agent",
+    "run_dir_on_tmpfs",
     "timed_run",
     "write_pods",
 ]
@@ -73,10 +74,23 @@ def delete_pods(kubelet: Kubelet, pods: list[Pod]) -> None:
         list(pool.map(one, pods))
 
 
+def run_dir_on_tmpfs(agent: AgentProc) -> AgentProc:
+    """Mount a tmpfs at the agent's run dir, where production has it: the DaemonSet's
+    ``/var/run/aether`` and the systemd unit's ``/run/aether`` live on the node's ``/run``, a
+    tmpfs. An ADD writes its intent and its record there; on this machine's ext4 ``/tmp``, 16
+    concurrent ADDs creating files in one directory cost the agent ~2 ms of CPU each on the
+    directory's lock (measured: 6.8–7.9 against 4.6–4.8 ms of agent CPU per ADD), a cost no
+    node pays. The mount goes with ``release_mounts_under`` of the benchmark's workdir."""
+    os.makedirs(agent.run_dir, mode=0o700, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=256m", "aether-run",
+                    agent.run_dir], check=True)
+    return agent
+
+
 def make_agent(workdir: str, namespace: str, envoy: bool = False) -> AgentProc:
-    """An agent (info logging; Envoy only if asked) whose manifests mark `namespace` managed;
-    not started."""
-    agent = AgentProc(workdir, envoy=envoy, extra=["--log-level", "info"])
+    """An agent (info logging; Envoy only if asked) whose manifests mark `namespace` managed,
+    its run dir on a tmpfs as on a node; not started."""
+    agent = run_dir_on_tmpfs(AgentProc(workdir, envoy=envoy, extra=["--log-level", "info"]))
     agent.write("bench-namespace.yaml", [
         {"apiVersion": "v1", "kind": "Namespace",
          "metadata": {"name": namespace, "labels": {"aether.io/managed": "true"}}},

@@ -64,6 +64,7 @@ from bench.common import (
     pool_map,
     prepare_pod,
     progress,
+    run_dir_on_tmpfs,
     timed_run,
 )
 from bench.envoy_common import (
@@ -143,7 +144,7 @@ class Phase:
         extra = ["--log-level", "info"]
         if envoy:
             extra += ["--listener-timeout", "15"]
-        self.agent = AgentProc(self.workdir, envoy=envoy, extra=extra)
+        self.agent = run_dir_on_tmpfs(AgentProc(self.workdir, envoy=envoy, extra=extra))
         self.agent.write("bench-namespace.yaml", [
             {"apiVersion": "v1", "kind": "Namespace",
              "metadata": {"name": NAMESPACE, "labels": {"aether.io/managed": "true"}}},
