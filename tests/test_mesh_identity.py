@@ -384,3 +384,29 @@ def test_an_svid_coming_rebuilds_only_its_identitys_pod_listeners() -> None:
     from agent.envoy.resources import resource_hash
     pre_dict, hashes = b.prehashed[LISTENER_TYPE]
     assert pre_dict is alone and hashes == {n: resource_hash(m) for n, m in alone.items()}
+
+
+def test_a_renewed_svid_changes_its_secret_and_nothing_else() -> None:
+    """A renewal swaps the certificate under the same identity: only the Secret is pushed.
+    Rebuilding the inbound listener or the caller cluster would drain connections mid-stream
+    at every rotation (#16: rotation drops no request)."""
+    from agent.envoy.resources import ResourceBuilder
+    b = ResourceBuilder()
+    old = b.build(_state({"app/client": _svid("app/client")}, (CLIENT,)))
+    renewed = Svid(spiffe_id(TD, "app", "client"), "CERT-2", "KEY-2", 10.0, 2e12, 10.0)
+    new = b.build(_state({"app/client": renewed}, (CLIENT,)))
+    for kind in (LISTENER_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE):
+        assert new[kind].keys() == old[kind].keys()
+        assert all(new[kind][n] is old[kind][n] for n in new[kind]), kind
+    assert new[mtls.SECRET_TYPE]["svid|app|client"] != old[mtls.SECRET_TYPE]["svid|app|client"]
+
+
+def test_ca_dir_records_the_validity_the_certificate_carries(ca: str) -> None:
+    """X.509 times have whole seconds: the recorded expiry is the certificate's own (rounded
+    down), never later, so a renewal at half life is never late."""
+    now = 1_000_000.75 + 10**9
+    svid = CaDirProvider(ca, ttl_s=6).issue(spiffe_id(TD, "app", "web"), now)
+    leaf = x509.load_pem_x509_certificate(svid.cert_chain_pem.encode())
+    assert svid.not_after == leaf.not_valid_after_utc.timestamp()
+    assert svid.not_before == leaf.not_valid_before_utc.timestamp()
+    assert now + 5 <= svid.not_after <= now + 6

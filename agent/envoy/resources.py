@@ -961,7 +961,9 @@ class ResourceBuilder:
         #: itself as it built them (the xDS server uses them for that very dict only)
         self.prehashed: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
         self._passthrough: tuple[tuple[int, float], cluster_pb2.Cluster] | None = None
-        self._cluster_out: tuple[tuple[Any, ...], dict[str, Message]] | None = None
+        # (key of object ids, output, the keyed objects): a key of ids is valid only while
+        # its objects live (a freed object's id is reused), so the entry holds them
+        self._cluster_out: tuple[tuple[Any, ...], dict[str, Message], Any] | None = None
         self._gamma: GammaResult | None = None
         self._detect: tuple[int, ...] = ()
         # (targets, connection log, claimed) -> the learn chains' bytes
@@ -969,7 +971,7 @@ class ResourceBuilder:
         # resources that depend only on their key (mTLS listeners and clusters)
         self._fixed_cache: dict[Any, Any] = {}
         self._fixed_used: set[Any] = set()
-        self._secrets: tuple[Any, dict[str, Message]] = ((), {})
+        self._secrets: tuple[Any, dict[str, Message], Any] = ((), {}, ())
 
     # ---- Services ------------------------------------------------------------------------
 
@@ -1228,7 +1230,7 @@ class ResourceBuilder:
             clusters = dict(tables.clusters)
             clusters[PASSTHROUGH_CLUSTER] = self._passthrough[1]
             clusters.update(ns_clusters)
-            self._cluster_out = (out_key, dict(sorted(clusters.items())))
+            self._cluster_out = (out_key, dict(sorted(clusters.items())), tables.clusters)
         return {
             mtls.SECRET_TYPE: secrets,
             CLUSTER_TYPE: self._cluster_out[1],
@@ -1345,10 +1347,12 @@ class ResourceBuilder:
         return got
 
     def _secrets_for(self, tls: MeshTls) -> dict[str, Message]:
-        """SDS resources, the same dict while the SVIDs and bundle are the same objects."""
+        """SDS resources, the same dict while the SVIDs and bundle are the same objects. The
+        entry holds the SVIDs its key names by id: a renewed SVID allocated where a freed one
+        was would otherwise match the old key and never reach Envoy."""
         key = (tuple(sorted((k, id(v)) for k, v in tls.svids.items())), tls.bundle_pem)
         if self._secrets[0] != key:
-            self._secrets = (key, dict(mtls.build_secrets(tls)))
+            self._secrets = (key, dict(mtls.build_secrets(tls)), tuple(tls.svids.values()))
         return self._secrets[1]
 
 

@@ -74,8 +74,12 @@ class CaDirProvider:
         key_pem = key.private_bytes(serialization.Encoding.PEM,
                                     serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption()).decode()
+        # the validity the certificate really carries: X.509 times have whole seconds, so
+        # ``end`` rounds down there; recording the unrounded ``end`` renewed up to a second
+        # late and, for a short TTL, handed out a certificate with less life than recorded
         return Svid(spiffe_id, cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem,
-                    start.timestamp(), end.timestamp(), issued_at=now)
+                    cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp(),
+                    issued_at=now)
 
 
 def make_ca(ca_dir: str, trust_domain: str = "cluster.local", days: int = 365) -> None:
