@@ -13,7 +13,9 @@ class _Sink:
 
     _publish_shared = EnvoySink._publish_shared
 
-    def __init__(self, fail_first: bool = False) -> None:
+    def __init__(self, fail_first: bool = False, publish_s: float = 0.05,
+                 ack_s: float = 0.0) -> None:
+        self.publish_s, self.ack_s = publish_s, ack_s
         self._lock = threading.Lock()
         self._batch = threading.Condition(threading.Lock())
         self._ticket = self._covered = 0
@@ -26,8 +28,11 @@ class _Sink:
         self.published: list[frozenset[str]] = []
         self.fail_first = fail_first
 
+    def _await_envoy(self, version: str) -> None:
+        time.sleep(self.ack_s)  # Envoy applying the push and ACKing it
+
     def _publish(self) -> str:
-        time.sleep(0.05)  # build + push: long enough for the others to queue up
+        time.sleep(self.publish_s)  # build + push: long enough for the others to queue up
         if self.fail_first:
             self.fail_first = False
             raise RuntimeError("push failed")
@@ -79,3 +84,51 @@ def test_a_failed_publish_is_retried_by_the_waiters_not_reported_as_theirs() -> 
     for pod, version in versions.items():
         if version:
             assert pod in sink.published[int(version) - 1]
+
+
+def test_adds_arriving_while_envoy_applies_a_push_gather_into_the_next() -> None:
+    """A quick build and push, a slower ACK: ADDs arriving one after another while Envoy
+    applies a push wait for its answer and go out together, not one push each."""
+    sink = _Sink(publish_s=0.001, ack_s=0.06)
+    out: dict[str, str] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(*sink.add(f"p{i}")))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+        time.sleep(0.008)
+    for t in threads:
+        t.join()
+    assert len(sink.published) <= 4, [sorted(p) for p in sink.published]
+    for pod, version in out.items():
+        assert pod in sink.published[int(version) - 1], (pod, version)
+
+
+class _Xds:
+    def __init__(self, ack_after: float | None, nack: bool = False) -> None:
+        self.t0, self.ack_after, self.nack = time.monotonic(), ack_after, nack
+
+    def wait_acked(self, version: str, timeout: float) -> bool:
+        if self.ack_after is not None and time.monotonic() - self.t0 >= self.ack_after:
+            return True
+        time.sleep(timeout)
+        return False
+
+    def status(self) -> dict[str, object]:
+        return {"last_nack": {"version": "7"} if self.nack else None}
+
+
+def _awaited(xds: _Xds, version: str = "7") -> float:
+    sink = EnvoySink.__new__(EnvoySink)
+    sink.xds = xds  # type: ignore[assignment]
+    started = time.monotonic()
+    sink._await_envoy(version)
+    return time.monotonic() - started
+
+
+def test_the_batch_waits_for_the_ack_a_nack_or_the_cap_whichever_first() -> None:
+    from agent.envoy import sink as sink_mod
+    assert 0.1 <= _awaited(_Xds(ack_after=0.1)) < 0.4
+    assert _awaited(_Xds(ack_after=None, nack=True)) < 0.2  # a NACK of this very version
+    assert _awaited(_Xds(ack_after=None, nack=True), version="8") >= sink_mod.PIPELINE_WAIT_S
+    assert sink_mod.PIPELINE_WAIT_S <= _awaited(_Xds(ack_after=None)) < \
+        sink_mod.PIPELINE_WAIT_S + 0.3  # a silent Envoy holds the batch no longer
