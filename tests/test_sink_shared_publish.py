@@ -20,6 +20,7 @@ class _Sink:
         self._batch = threading.Condition(threading.Lock())
         self._ticket = self._covered = 0
         self._covered_version = ""
+        self._covered_at = 0.0
         self._batch_busy = False
         self._incoming: dict[str, object] = {}
         self._pods: dict[str, object] = {}
@@ -41,7 +42,7 @@ class _Sink:
 
     def add(self, pod: str) -> tuple[str, str]:
         try:
-            return pod, self._publish_shared(pod, object())
+            return pod, self._publish_shared(pod, object())[0]
         except RuntimeError:
             return pod, ""
 

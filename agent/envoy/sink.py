@@ -148,6 +148,7 @@ class EnvoySink:
         self._ticket = 0
         self._covered = 0
         self._covered_version = ""
+        self._covered_at = 0.0
         self._batch_busy = False
         self._incoming: dict[str, PodListener] = {}
         self.shared_publishes = 0  # ADDs whose listener rode another ADD's publish
@@ -445,12 +446,16 @@ class EnvoySink:
                              traffic_metrics=self.traffic_metrics)
         return self.xds.set_state(state)
 
-    def _confirm(self, version: str, what: str, pod_id: str | None = None) -> None:
-        """Wait for Envoy's ACK of ``version``. With ``pod_id``: a later version may be ACKed
-        only because that pod's listener was withdrawn after a NACK (``_on_nack``); that is
-        a rejection, never a confirmation."""
-        started = time.monotonic()
-        deadline = started + self.ack_timeout
+    def _confirm(self, version: str, what: str, pod_id: str | None = None,
+                 started: float | None = None, pushed: float | None = None) -> None:
+        """Wait for Envoy's ACK of ``version``, ``ack_timeout`` from ``started`` (now by
+        default; an ADD counts from its own start, its wait in a shared publish included);
+        ``pushed``: when that version went out (the push-to-ACK histogram's start).
+        With ``pod_id``: a later version may be ACKed only because that pod's listener was
+        withdrawn after a NACK (``_on_nack``); that is a rejection, never a confirmation."""
+        now = time.monotonic()
+        published = now if pushed is None else pushed
+        deadline = (now if started is None else started) + self.ack_timeout
         while True:
             acked = self.xds.wait_acked(version, min(0.2, max(0.0, deadline - time.monotonic())))
             if pod_id is not None:
@@ -460,7 +465,7 @@ class EnvoySink:
                     raise ListenerNotConfirmed(f"Envoy rejected {what}: {reason}")
             if acked:
                 if self.metrics is not None:
-                    self.metrics.observe_xds_push(time.monotonic() - started)
+                    self.metrics.observe_xds_push(time.monotonic() - published)
                 return
             nack = self.xds.status().get("last_nack")
             if nack and str(nack.get("version")) == version:
@@ -472,6 +477,7 @@ class EnvoySink:
                     f"{self.xds.status().get('connected_streams')})")
 
     def add_pod(self, pod: CapturedPod) -> None:
+        started = time.monotonic()
         try:
             listener = pod_listener(pod, self.traffic_source_pods)
         except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
@@ -479,11 +485,13 @@ class EnvoySink:
         if self.identity is not None:
             # issued before the listeners that name it: Envoy gets the secret first
             self.identity.attach(listener.identity, pod.key)
-        version = self._publish_shared(pod.container_id, listener)
-        self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id)
+        version, pushed = self._publish_shared(pod.container_id, listener)
+        self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id,
+                      started, pushed)
 
-    def _publish_shared(self, container_id: str, listener: PodListener) -> str:
-        """Add ``listener`` and publish; returns a version that includes it. Concurrent ADDs
+    def _publish_shared(self, container_id: str, listener: PodListener) -> tuple[str, float]:
+        """Add ``listener`` and publish; returns a version that includes it and when that
+        version was pushed (monotonic). Concurrent ADDs
         share publishes: while one builds and pushes, the listeners of the others gather in
         ``_incoming`` (no wait on the publish lock), and the next publish carries them all.
         So 16 pods starting at once cost Envoy a few LDS updates, each binding several
@@ -496,28 +504,30 @@ class EnvoySink:
             while True:
                 if self._covered >= mine:
                     self.shared_publishes += 1
-                    return self._covered_version
+                    return self._covered_version, self._covered_at
                 if not self._batch_busy:
                     self._batch_busy = True
                     incoming, self._incoming = self._incoming, {}
                     covers = self._ticket
                     break
                 self._batch.wait()
-        version = ""
+        version, pushed = "", 0.0
         try:
             with self._lock:
                 for cid, lis in incoming.items():
                     self._rejected.pop(cid, None)
                     self._pods[cid] = lis
                 version = self._publish()
+            pushed = time.monotonic()
             self._await_envoy(version)
         finally:
             with self._batch:
                 self._batch_busy = False
                 if version:  # on failure the listeners stay in _pods; a waiter publishes
                     self._covered, self._covered_version = covers, version
+                    self._covered_at = pushed
                 self._batch.notify_all()
-        return version
+        return version, pushed
 
     def _await_envoy(self, version: str) -> None:
         """Hold the next shared publish until Envoy answered this one (ACK or NACK), for at
