@@ -1,12 +1,17 @@
 """Benchmark: `aether-cni` ADD latency as kubelet sees it, against an `nft -f` floor.
 
-    python -m bench.cni_add [--pods 200] [--concurrency 1,16] [--no-envoy] [--json OUT]
+    python -m bench.cni_add [--pods 200] [--concurrency 1,16] [--rounds 3] [--no-envoy]
+                            [--json OUT]
 
-For every concurrency level, fresh pods get a sandbox (netns, loopback, bridge + host-local)
-outside the timed region; then only the exec of the `aether-cni` ADD is timed (subprocess
-wall time, fork to exit). The floor is measured in the same run: the table
+For every concurrency level and round, fresh pods get a sandbox (netns, loopback, bridge +
+host-local) outside the timed region; then only the exec of the `aether-cni` ADD is timed
+(subprocess wall time, fork to exit). The floor is measured in the same rounds: the table
 the agent programs (rendered from the decided policy), plain, applied to a fresh netns with
-`nsenter --net=<netns> nft -f <file>` — what a pod's first ADD costs the kernel.
+`nsenter --net=<netns> nft -f <file>` — what a pod's first ADD costs the kernel. Each round
+times ``--pods`` ADDs and as many floors, in alternating order (ADD first in even rounds,
+the floor first in odd ones); a level's figure is the median of its rounds' ratios (ADD p50
+over floor p50, each round's own), printed with their spread, and its p99 the median of its
+rounds' p99s.
 The agent runs as production runs it: the node Envoy on, so an ADD returns only once Envoy
 has ACKed the pod's listener (``--no-envoy`` for the rules-only figure).
 Targets (Envoy on): ADD p50 ≤ 2× floor p50 at concurrency 1, ≤ 1.5× at 16 and p99 at 16 ≤
@@ -20,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,8 +71,11 @@ BREAKDOWN_SAMPLES = 30
 
 @dataclass
 class Level:
+    """One round of one concurrency level: its pods, their ADD and floor timings."""
+
     concurrency: int
     pods: list[Pod]
+    round: int = 0
     confs: dict[str, dict[str, Any]] = field(default_factory=dict)  # container_id → netconf
     add: list[float] = field(default_factory=list)
     floor: list[float] = field(default_factory=list)
@@ -77,7 +86,8 @@ class Level:
 
 
 class Bench:
-    def __init__(self, workdir: str, pods: int, levels: list[int], envoy: bool = True) -> None:
+    def __init__(self, workdir: str, pods: int, levels: list[int], envoy: bool = True,
+                 rounds: int = 1) -> None:
         self.workdir = workdir
         self.envoy = envoy
         self._envoy_pid: int | None = None
@@ -90,8 +100,9 @@ class Bench:
         })
         self.aether = os.path.join(self.kubelet.plugin_dir, "aether-cni")
         self.levels = [
-            Level(c, [self.kubelet.new_pod(NAMESPACE, f"c{c}-{i:04d}") for i in range(pods)])
-            for c in levels
+            Level(c, [self.kubelet.new_pod(NAMESPACE, f"c{c}-r{r}-{i:04d}") for i in range(pods)],
+                  round=r)
+            for c in levels for r in range(rounds)
         ]
         self.sandboxes: list[Pod] = []  # every pod whose netns may exist: cleaned at the end
         self.lock = threading.Lock()
@@ -109,7 +120,7 @@ class Bench:
                 self.sandboxes.append(pod)
             level.confs[pod.container_id] = prepare_pod(self.kubelet, pod)
 
-        progress(f"[c={level.concurrency}] creating {len(level.pods)} sandboxes "
+        progress(f"[c={level.concurrency} round {level.round + 1}] creating {len(level.pods)} sandboxes "
                  "(netns, lo, bridge+host-local; untimed) …")
         pool_map(one, level.pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
 
@@ -152,7 +163,7 @@ class Bench:
             elapsed, _ = timed_run([self.aether], stdin, env)
             return elapsed
 
-        progress(f"[c={level.concurrency}] timing aether-cni ADD …")
+        progress(f"[c={level.concurrency} round {level.round + 1}] timing aether-cni ADD …")
         cpu0 = self.cpu()
         t0 = time.perf_counter()
         level.add = pool_map(one, level.pods, level.concurrency, "ADD")
@@ -193,7 +204,8 @@ class Bench:
                                     "nft", "-f", files[pod.container_id]])
             return elapsed
 
-        progress(f"[c={level.concurrency}] timing floor (nsenter --net … nft -f, fresh netns) …")
+        progress(f"[c={level.concurrency} round {level.round + 1}] timing floor "
+                 "(nsenter --net … nft -f, fresh netns) …")
         try:
             t0 = time.perf_counter()
             level.floor = pool_map(one, level.pods, level.concurrency, "floor")
@@ -215,6 +227,18 @@ class Bench:
         if key not in listing.stdout:
             raise RuntimeError(f"agent programmed a different policy than the floor's {key}:\n"
                                f"{listing.stdout}")
+
+    def release(self, level: Level) -> None:
+        """DEL a finished round's pods (untimed): a bridge takes 1024 ports, and a node holds
+        about a hundred pods, not every round's; the breakdown keeps the first level's first
+        pod."""
+        keep = self.levels[0].pods[0]
+        gone = [p for p in level.pods if p is not keep]
+        progress(f"[c={level.concurrency} round {level.round + 1}] deleting {len(gone)} pods "
+                 "(untimed) …")
+        delete_pods(self.kubelet, gone)
+        with self.lock:
+            self.sandboxes = [p for p in self.sandboxes if p not in gone]
 
     def breakdown(self, pod: Pod) -> dict[str, Stats]:
         """Serial start-up costs that explain ADD and the floor (concurrency 1)."""
@@ -254,27 +278,43 @@ def target_ratio(concurrency: int) -> float:
     return TARGET_RATIO if concurrency <= 1 else TARGET_RATIO_CONCURRENT
 
 
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
 def report(levels: list[Level], breakdown: dict[str, Stats], machine: dict[str, str],
            pods: int, envoy: bool = True) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
-    for lv in levels:
-        add, floor = Stats.of(lv.add), Stats.of(lv.floor)
-        ratio = add.p50_ms / floor.p50_ms
-        met = ratio <= target_ratio(lv.concurrency) and (
-            lv.concurrency <= 1 or add.p99_ms <= TARGET_P99_CONCURRENT_MS)
+    for c in sorted({lv.concurrency for lv in levels}):
+        rounds = [lv for lv in levels if lv.concurrency == c and lv.add and lv.floor]
+        per = [(Stats.of(lv.add), Stats.of(lv.floor)) for lv in rounds]
+        ratios = [a.p50_ms / f.p50_ms for a, f in per]
+        p99s = [a.p99_ms for a, _ in per]
+        ratio, p99 = _median(ratios), _median(p99s)
+        add = Stats.of([x for lv in rounds for x in lv.add])
+        floor = Stats.of([x for lv in rounds for x in lv.floor])
+        met = ratio <= target_ratio(c) and (c <= 1 or p99 <= TARGET_P99_CONCURRENT_MS)
+        n_add = sum(len(lv.add) for lv in rounds)
         rows.append({
-            "concurrency": lv.concurrency,
-            "pods": len(lv.add),
-            "add": add.to_json(),
+            "concurrency": c,
+            "rounds": len(rounds),
+            "pods": n_add,
+            "add": add.to_json(),  # every round's ADDs together
             "floor": floor.to_json(),
-            "ratio_p50": round(ratio, 3),
+            "add_p50_ms_median": round(_median([a.p50_ms for a, _ in per]), 3),
+            "floor_p50_ms_median": round(_median([f.p50_ms for _, f in per]), 3),
+            "add_p99_ms_median": round(p99, 3),
+            "add_p99_ms_rounds": [round(x, 3) for x in p99s],
+            "ratio_p50": round(ratio, 3),  # the median of the rounds' own ratios
+            "ratio_p50_rounds": [round(x, 3) for x in ratios],
             "ratio_p99": round(add.p99_ms / floor.p99_ms, 3),
-            "add_throughput_pods_per_s": round(len(lv.add) / lv.add_wall_s, 2),
-            "floor_throughput_per_s": round(len(lv.floor) / lv.floor_wall_s, 2),
-            "agent_cpu_ms_per_add": round(1000 * lv.agent_cpu_s / len(lv.add), 2),
-            "envoy_cpu_ms_per_add": round(1000 * lv.envoy_cpu_s / len(lv.add), 2),
-            "target": (f"p50 <= {target_ratio(lv.concurrency):g}x floor" + (
-                f", p99 <= {TARGET_P99_CONCURRENT_MS:g} ms" if lv.concurrency > 1 else "")),
+            "add_throughput_pods_per_s": round(n_add / sum(lv.add_wall_s for lv in rounds), 2),
+            "floor_throughput_per_s": round(sum(len(lv.floor) for lv in rounds)
+                                            / sum(lv.floor_wall_s for lv in rounds), 2),
+            "agent_cpu_ms_per_add": round(1000 * sum(lv.agent_cpu_s for lv in rounds) / n_add, 2),
+            "envoy_cpu_ms_per_add": round(1000 * sum(lv.envoy_cpu_s for lv in rounds) / n_add, 2),
+            "target": (f"p50 <= {target_ratio(c):g}x floor" + (
+                f", p99 <= {TARGET_P99_CONCURRENT_MS:g} ms" if c > 1 else "")),
             "target_met": met,
         })
 
@@ -282,20 +322,25 @@ def report(levels: list[Level], breakdown: dict[str, Stats], machine: dict[str, 
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     mode = ("Envoy on: ADD returns after Envoy's ACK of the pod's listener" if envoy
             else "no Envoy: rules only")
+    n_rounds = max((r["rounds"] for r in rows), default=0)
     print(f"aether-cni ADD (exec wall time, as kubelet sees it; {mode}) vs floor "
-          f"(nsenter --net=<fresh netns> nft -f <the plain table>), {pods} fresh pods per level, ms")
-    head = (f"{'conc':>4} | {'ADD p50':>8} {'ADD p99':>8} {'ADD mean':>8} | "
-            f"{'floor p50':>9} {'floor p99':>9} {'floor mean':>10} | "
-            f"{'ratio p50':>9} | {'ADD pods/s':>10} | target")
+          f"(nsenter --net=<fresh netns> nft -f <the plain table>), {pods} fresh pods per "
+          f"round, {n_rounds} round(s) per level in alternating order; medians over the "
+          "rounds, ms")
+    head = (f"{'conc':>4} | {'ADD p50':>8} {'ADD p99':>8} | {'floor p50':>9} | "
+            f"{'ratio p50 (spread)':>20} | {'ADD pods/s':>10} | target")
     print(head)
     print("-" * len(head))
     for r in rows:
-        a, f = r["add"], r["floor"]
-        print(f"{r['concurrency']:>4} | {a['p50_ms']:>8.1f} {a['p99_ms']:>8.1f} "
-              f"{a['mean_ms']:>8.1f} | {f['p50_ms']:>9.1f} {f['p99_ms']:>9.1f} "
-              f"{f['mean_ms']:>10.1f} | {r['ratio_p50']:>8.2f}× | "
-              f"{r['add_throughput_pods_per_s']:>10.1f} | "
+        rr = r["ratio_p50_rounds"]
+        spread = f"{r['ratio_p50']:.2f}× ({min(rr):.2f}–{max(rr):.2f})"
+        print(f"{r['concurrency']:>4} | {r['add_p50_ms_median']:>8.1f} "
+              f"{r['add_p99_ms_median']:>8.1f} | {r['floor_p50_ms_median']:>9.1f} | "
+              f"{spread:>20} | {r['add_throughput_pods_per_s']:>10.1f} | "
               f"{'PASS' if r['target_met'] else 'MISS'} ({r['target']})")
+        if len(rr) > 1:
+            print(f"       rounds: ratio {', '.join(f'{x:.2f}' for x in rr)}; ADD p99 "
+                  f"{', '.join(f'{x:.0f}' for x in r['add_p99_ms_rounds'])} ms")
     print()
     print("CPU per ADD (the machine's 2 CPUs are what 16 concurrent ADDs share), ms:")
     for r in rows:
@@ -309,9 +354,12 @@ def report(levels: list[Level], breakdown: dict[str, Stats], machine: dict[str, 
         "benchmark": "cni_add",
         "machine": machine,
         "pods_per_level": pods,
+        "pods_per_round": pods,
+        "rounds": n_rounds,
         "envoy": envoy,
         "target": (f"ADD p50 <= {TARGET_RATIO:g}x floor p50 at concurrency 1, <= "
-                   f"{TARGET_RATIO_CONCURRENT:g}x and p99 <= {TARGET_P99_CONCURRENT_MS:g} ms above"),
+                   f"{TARGET_RATIO_CONCURRENT:g}x and p99 <= {TARGET_P99_CONCURRENT_MS:g} ms above "
+                   "(medians over the rounds)"),
         "floor": "nsenter --net=<netns> nft -f <render_table(decide(...))> (plain table, fresh netns)",
         "levels": rows,
         "breakdown": {k: v.to_json() for k, v in breakdown.items()},
@@ -324,28 +372,35 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, default=200, help="fresh pods per concurrency level")
     ap.add_argument("--concurrency", default="1,16", help="comma-separated levels")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds per level (ADD and floor in alternating order)")
     ap.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     ap.add_argument("--keep-workdir", action="store_true", help="leave agent log etc. behind")
     ap.add_argument("--no-envoy", action="store_true",
                     help="run the agent without its Envoy (the rules-only figure)")
     args = ap.parse_args(argv)
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    if args.pods < 1 or not levels or min(levels) < 1:
-        ap.error("--pods and every --concurrency level must be ≥ 1")
+    if args.pods < 1 or args.rounds < 1 or not levels or min(levels) < 1:
+        ap.error("--pods, --rounds and every --concurrency level must be ≥ 1")
     if os.geteuid() != 0:
         ap.error("needs root (netns, bridge, nftables)")
 
     signal.signal(signal.SIGTERM, _sigterm)
     workdir = tempfile.mkdtemp(prefix="aether-bench-")
-    bench = Bench(workdir, args.pods, levels, envoy=not args.no_envoy)
+    bench = Bench(workdir, args.pods, levels, envoy=not args.no_envoy, rounds=args.rounds)
     ok = False
     try:
         bench.start()
         for lv in bench.levels:
             bench.prepare(lv)
-            bench.time_add(lv)
+            if lv.round % 2 == 0:
+                bench.time_add(lv)
+                bench.time_floor(lv)
+            else:
+                bench.time_floor(lv)
+                bench.time_add(lv)
             bench.verify(lv)
-            bench.time_floor(lv)
+            bench.release(lv)
         progress("measuring start-up breakdown …")
         breakdown = bench.breakdown(bench.levels[0].pods[0])
         result = report(bench.levels, breakdown, machine_info(), args.pods,
