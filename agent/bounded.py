@@ -11,21 +11,31 @@ caps (see docs/operations.md, "Limits").
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from typing import Any
 
 log = logging.getLogger("aether.server")
 
 
+# How long a handler thread waits for the next connection before it ends
+IDLE_WORKER_S = 30.0
+
+
 class BoundedThreadingMixIn:
     """For ``socketserver.ThreadingMixIn`` servers: at most ``max_connections`` handled at
-    once; the next one gets ``busy_answer`` (best effort, 50 ms) and is closed."""
+    once; the next one gets ``busy_answer`` (best effort, 50 ms) and is closed. A handler
+    thread that finished a connection waits ``IDLE_WORKER_S`` for the next one before it
+    ends: a burst of pod starts reuses threads instead of starting one per ADD."""
 
     max_connections: int = 64
     busy_answer: bytes = b""
     refused: int = 0
     _active: int = 0
     _active_lock: threading.Lock | None = None
+    _idle: int = 0
+    _handoff: queue.SimpleQueue[tuple[Any, Any]] | None = None
+    handler_threads_started: int = 0
 
     def _slots(self) -> threading.Lock:
         if self._active_lock is None:
@@ -61,7 +71,35 @@ class BoundedThreadingMixIn:
                 pass
             self.shutdown_request(request)  # type: ignore[attr-defined]
             return
-        super().process_request(request, client_address)  # type: ignore[misc]
+        with self._slots():
+            if self._handoff is None:
+                self._handoff = queue.SimpleQueue()
+            if self._idle:
+                self._idle -= 1  # an idle handler takes it (the count is its promise)
+                self._handoff.put((request, client_address))
+                return
+            self.handler_threads_started += 1
+        threading.Thread(target=self._handler_loop, args=(request, client_address),
+                         name=f"{type(self).__name__}-handler", daemon=True).start()
+
+    def _handler_loop(self, request: Any, client_address: Any) -> None:
+        handoff = self._handoff
+        assert handoff is not None
+        while True:
+            self.process_request_thread(request, client_address)
+            with self._slots():
+                self._idle += 1
+            try:
+                request, client_address = handoff.get(timeout=IDLE_WORKER_S)
+                continue
+            except queue.Empty:
+                pass
+            with self._slots():
+                # a connection handed off between the timeout and now is ours to serve
+                if handoff.empty():
+                    self._idle -= 1
+                    return
+            request, client_address = handoff.get()
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

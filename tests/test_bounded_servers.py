@@ -107,3 +107,23 @@ def test_metrics_server_caps_idle_connections() -> None:
         for s in idle:
             s.close()
         srv.stop()
+
+
+def test_handler_threads_are_reused_across_connections(server: UnixJsonServer) -> None:
+    """A burst of ADDs reuses the handler threads of the connections before it instead of
+    starting one per connection; concurrent connections still get a thread each."""
+    srv = server._server
+    assert srv is not None
+    for i in range(20):
+        assert _ask(server.path, b"%d" % i) == b"answer:%d" % i
+    assert srv.handler_threads_started == 1
+    held = [_connect(server.path) for _ in range(2)]  # two at once: a second thread
+    try:
+        time.sleep(0.1)
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 3
+    while _ask(server.path, b"y") != b"answer:y":
+        assert time.monotonic() < deadline
+    assert srv.handler_threads_started == 2
