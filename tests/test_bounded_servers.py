@@ -114,8 +114,16 @@ def test_handler_threads_are_reused_across_connections(server: UnixJsonServer) -
     starting one per connection; concurrent connections still get a thread each."""
     srv = server._server
     assert srv is not None
+
+    def idle(n: int = 1) -> None:  # a handler counts itself idle just after its answer went
+        deadline = time.monotonic() + 3
+        while srv._idle < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
     for i in range(20):
         assert _ask(server.path, b"%d" % i) == b"answer:%d" % i
+        idle()
     assert srv.handler_threads_started == 1
     held = [_connect(server.path) for _ in range(2)]  # two at once: a second thread
     try:
@@ -123,7 +131,6 @@ def test_handler_threads_are_reused_across_connections(server: UnixJsonServer) -
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + 3
-    while _ask(server.path, b"y") != b"answer:y":
-        assert time.monotonic() < deadline
+    idle(2)
+    assert _ask(server.path, b"y") == b"answer:y"
     assert srv.handler_threads_started == 2

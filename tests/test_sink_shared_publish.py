@@ -16,6 +16,7 @@ class _Sink:
     def __init__(self, fail_first: bool = False, publish_s: float = 0.05,
                  ack_s: float = 0.0) -> None:
         self.publish_s, self.ack_s = publish_s, ack_s
+        self.ack_timeout = 10.0
         self._lock = threading.Lock()
         self._batch = threading.Condition(threading.Lock())
         self._ticket = self._covered = 0
@@ -29,7 +30,7 @@ class _Sink:
         self.published: list[frozenset[str]] = []
         self.fail_first = fail_first
 
-    def _await_envoy(self, version: str) -> None:
+    def _await_envoy(self, version: str, until: float | None = None) -> None:
         time.sleep(self.ack_s)  # Envoy applying the push and ACKing it
 
     def _publish(self) -> str:
@@ -115,7 +116,8 @@ class _Xds:
         return False
 
     def status(self) -> dict[str, object]:
-        return {"last_nack": {"version": "7"} if self.nack else None}
+        return {"last_nack": {"version": "7"} if self.nack else None,
+                "connected_streams": 1}
 
 
 def _awaited(xds: _Xds, version: str = "7") -> float:
@@ -133,3 +135,28 @@ def test_the_batch_waits_for_the_ack_a_nack_or_the_cap_whichever_first() -> None
     assert _awaited(_Xds(ack_after=None, nack=True), version="8") >= sink_mod.PIPELINE_WAIT_S
     assert sink_mod.PIPELINE_WAIT_S <= _awaited(_Xds(ack_after=None)) < \
         sink_mod.PIPELINE_WAIT_S + 0.3  # a silent Envoy holds the batch no longer
+
+
+def test_a_follower_never_waits_for_a_push_past_its_own_deadline() -> None:
+    """The batch ahead holds its push for Envoy's answer; an ADD whose deadline passes while
+    it waits fails (as ``--listener-timeout`` says) and leaves nothing queued behind it."""
+    from agent.envoy.sink import ListenerNotConfirmed
+    sink = _Sink(publish_s=0.001, ack_s=0.5)
+    lead = threading.Thread(target=sink.add, args=("p0",))
+    lead.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    try:
+        sink._publish_shared("p1", object(), time.monotonic() + 0.1)
+        raise AssertionError("the follower should have timed out")
+    except ListenerNotConfirmed:
+        pass
+    assert time.monotonic() - started < 0.3
+    assert "p1" not in sink._incoming
+    lead.join()
+
+
+def test_no_envoy_connected_holds_nothing() -> None:
+    xds = _Xds(ack_after=None)
+    xds.status = lambda: {"last_nack": None, "connected_streams": 0}  # type: ignore[method-assign]
+    assert _awaited(xds) < 0.05

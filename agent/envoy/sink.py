@@ -485,18 +485,21 @@ class EnvoySink:
         if self.identity is not None:
             # issued before the listeners that name it: Envoy gets the secret first
             self.identity.attach(listener.identity, pod.key)
-        version, pushed = self._publish_shared(pod.container_id, listener)
+        version, pushed = self._publish_shared(pod.container_id, listener,
+                                               started + self.ack_timeout)
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id,
                       started, pushed)
 
-    def _publish_shared(self, container_id: str, listener: PodListener) -> tuple[str, float]:
+    def _publish_shared(self, container_id: str, listener: PodListener,
+                        deadline: float | None = None) -> tuple[str, float]:
         """Add ``listener`` and publish; returns a version that includes it and when that
         version was pushed (monotonic). Concurrent ADDs
         share publishes: while one builds and pushes, the listeners of the others gather in
         ``_incoming`` (no wait on the publish lock), and the next publish carries them all.
         So 16 pods starting at once cost Envoy a few LDS updates, each binding several
         listeners, instead of 16 in a row with every ADD waiting on the ACKs of all before
-        it. Nothing waits for a batch to fill: a lone ADD publishes at once."""
+        it. Nothing waits for a batch to fill: a lone ADD publishes at once. ``deadline``
+        (monotonic): the ADD's own; no wait here outlasts it."""
         with self._batch:
             self._incoming[container_id] = listener
             self._ticket += 1
@@ -510,7 +513,13 @@ class EnvoySink:
                     incoming, self._incoming = self._incoming, {}
                     covers = self._ticket
                     break
-                self._batch.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._incoming.pop(container_id, None)
+                    raise ListenerNotConfirmed(
+                        f"the listener of container {container_id} was not pushed to Envoy "
+                        f"within {self.ack_timeout:.0f}s (a push before it got no answer)")
+                self._batch.wait(left)
         version, pushed = "", 0.0
         try:
             with self._lock:
@@ -519,7 +528,7 @@ class EnvoySink:
                     self._pods[cid] = lis
                 version = self._publish()
             pushed = time.monotonic()
-            self._await_envoy(version)
+            self._await_envoy(version, deadline)
         finally:
             with self._batch:
                 self._batch_busy = False
@@ -529,14 +538,19 @@ class EnvoySink:
                 self._batch.notify_all()
         return version, pushed
 
-    def _await_envoy(self, version: str) -> None:
+    def _await_envoy(self, version: str, until: float | None = None) -> None:
         """Hold the next shared publish until Envoy answered this one (ACK or NACK), for at
         most ``PIPELINE_WAIT_S``: the ADDs arriving meanwhile gather into one push instead of
         each pushing its own. Envoy applies LDS updates one after another anyway, so under 16
         concurrent ADDs this is fewer builds, pushes and ACKs for the same wait, and a lone
         ADD loses nothing (it waits for this very ACK in ``_confirm``). A slow or NACKing
-        Envoy holds the batch no longer than the cap."""
+        Envoy holds the batch no longer than the cap (nor than ``until``, the leading
+        ADD's own deadline), and with no Envoy connected there is nothing to wait for."""
         deadline = time.monotonic() + PIPELINE_WAIT_S
+        if until is not None:
+            deadline = min(deadline, until)
+        if not self.xds.status().get("connected_streams"):
+            return
         while time.monotonic() < deadline:
             if self.xds.wait_acked(version, min(0.05, max(0.0, deadline - time.monotonic()))):
                 return

@@ -125,14 +125,15 @@ _slots = threading.BoundedSemaphore(MAX_CONCURRENT)
 def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
     """Call fn() with a worker's netns set to `path`; re-raise its exception."""
     started = time.monotonic()
-    if not _slots.acquire(timeout=timeout):
+    slots = _slots
+    if not slots.acquire(timeout=timeout):
         raise TimeoutError(f"{MAX_CONCURRENT} operations in pod namespaces already running "
                            f"for {timeout}s; not entering {path}")
-    job = _Job(path, fn)
+    job = _Job(path, fn, slots)
     try:
         _workers.take().jobs.put(job)
     except BaseException:
-        _slots.release()
+        slots.release()
         raise
     if not job.done.wait(max(0.0, timeout - (time.monotonic() - started))):
         raise TimeoutError(f"operation in netns {path} did not finish in {timeout}s")
@@ -142,17 +143,17 @@ def run_in_netns(path: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
 
 
 class _Job:
-    __slots__ = ("path", "fn", "result", "error", "done")
+    __slots__ = ("path", "fn", "slots", "result", "error", "done")
 
-    def __init__(self, path: str, fn: Callable[[], object]) -> None:
-        self.path, self.fn = path, fn
+    def __init__(self, path: str, fn: Callable[[], object],
+                 slots: threading.BoundedSemaphore) -> None:
+        self.path, self.fn, self.slots = path, fn, slots
         self.result: object = None
         self.error: BaseException | None = None
         self.done = threading.Event()
 
-    def run(self) -> bool:
-        """Enter, work, go home. False when this thread could not get back home."""
-        entered = False
+    def run(self) -> None:
+        """Enter, work. The worker goes home after it (``_Worker._loop``)."""
         try:
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -160,7 +161,6 @@ class _Job:
                 raise NetnsGone(f"netns {self.path} does not exist") from e
             try:
                 _setns(fd)
-                entered = True
             except OSError as e:
                 if e.errno == errno.EINVAL:
                     raise NetnsError(f"{self.path} is not a network namespace") from e
@@ -170,11 +170,10 @@ class _Job:
             self.result = self.fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             self.error = e
-        finally:
-            home = _go_home() if entered else True
-            _slots.release()  # when the work ends, even after the caller gave up on it
-            self.done.set()
-        return home
+
+    def finish(self) -> None:
+        self.slots.release()  # when the work ends, even after the caller gave up on it
+        self.done.set()
 
 
 class _Home:
@@ -203,7 +202,7 @@ def _go_home() -> bool:
         home = _home_netns()
         _setns(home.fd)
         return netns_identity("/proc/thread-self/ns/net") == home.ident
-    except OSError:
+    except Exception:  # noqa: BLE001 - any doubt and the thread is not reused
         return False
 
 
@@ -215,10 +214,19 @@ class _Worker:
 
     def _loop(self) -> None:
         while True:
-            if not self.jobs.get().run():
-                return  # stranded in a foreign netns (or unsure): this thread ends here
-            if not self.pool.give_back(self):
-                return
+            job = self.jobs.get()
+            reused = False
+            try:
+                job.run()
+            finally:
+                # home (and proven so) after every job, entered or not, before the pool may
+                # hand this thread out again; only then is the caller told the job is done
+                try:
+                    reused = _go_home() and self.pool.give_back(self)
+                finally:
+                    job.finish()
+            if not reused:
+                return  # stranded in a foreign netns, unsure, or not needed: it ends here
 
 
 class _Pool:
@@ -231,7 +239,7 @@ class _Pool:
         self.started = 0
 
     def take(self) -> _Worker:
-        _home_netns()  # opened by a thread that is home, before any worker leaves it
+        _home_netns()  # /proc/self/ns/net: the main thread's, which never changes netns
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -247,3 +255,14 @@ class _Pool:
 
 
 _workers = _Pool()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's worker threads: start from an empty pool."""
+    global _workers, _slots, _home
+    _workers = _Pool()
+    _slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+    _home = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
