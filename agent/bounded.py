@@ -18,15 +18,17 @@ from typing import Any
 log = logging.getLogger("aether.server")
 
 
-# How long a handler thread waits for the next connection before it ends
+# How long a handler thread waits for the next connection before it ends, and how many wait
 IDLE_WORKER_S = 30.0
+MAX_IDLE_WORKERS = 32
 
 
 class BoundedThreadingMixIn:
     """For ``socketserver.ThreadingMixIn`` servers: at most ``max_connections`` handled at
     once; the next one gets ``busy_answer`` (best effort, 50 ms) and is closed. A handler
     thread that finished a connection waits ``IDLE_WORKER_S`` for the next one before it
-    ends: a burst of pod starts reuses threads instead of starting one per ADD."""
+    ends (at most ``MAX_IDLE_WORKERS`` wait): a burst of pod starts reuses threads instead of
+    starting one per ADD."""
 
     max_connections: int = 64
     busy_answer: bytes = b""
@@ -88,6 +90,8 @@ class BoundedThreadingMixIn:
         while True:
             self.process_request_thread(request, client_address)
             with self._slots():
+                if self._idle >= MAX_IDLE_WORKERS:
+                    return
                 self._idle += 1
             try:
                 request, client_address = handoff.get(timeout=IDLE_WORKER_S)
