@@ -69,6 +69,10 @@ class FakeDataplane:
         self.tables[netns] = ruleset
         return "fp-1"
 
+    def capture(self, netns: str, ruleset: str, first: str | None = None
+                ) -> tuple[str, tuple[bool, bool]]:
+        return self.apply(netns, ruleset, first), (True, False)  # an IPv4-only pod
+
     def drop(self, netns: str) -> bool:
         self._step("drop", netns)
         return self.tables.pop(netns, None) is not None
@@ -84,8 +88,10 @@ class Sink:
     def __init__(self, refuse: bool = False) -> None:
         self.refuse = refuse
         self.added: list[str] = []
+        self.loopback: dict[str, tuple[bool, bool] | None] = {}
 
     def add_pod(self, pod: CapturedPod) -> None:
+        self.loopback[pod.container_id] = pod.loopback
         if self.refuse:
             raise TimeoutError("Envoy did not ACK the listener (fake)")
         self.added.append(pod.container_id)
@@ -134,6 +140,8 @@ def test_add_pins_programs_records_and_serves(tmp_path: Path) -> None:
                                                                           True, "fp-1")
     assert sink.added == ["c1"] and h.counters.add_ok == 1
     assert h.store.intents() == []  # the intent is closed
+    # the loopback families came with the rules, from the same visit to the netns
+    assert sink.loopback == {"c1": (True, False)}
 
 
 def test_add_whose_rules_fail_releases_the_pin(tmp_path: Path) -> None:
@@ -386,3 +394,28 @@ def test_the_handler_answers_with_a_frozen_typed_verdict(tmp_path: Path) -> None
     assert bad.to_json() == {"ok": False, "code": bad.code, "msg": bad.msg, "details": ""}
     with pytest.raises(dataclasses.FrozenInstanceError):
         bad.ok = True  # type: ignore[misc]
+
+
+def test_a_pod_listener_uses_the_families_its_add_read(monkeypatch: Any) -> None:
+    """An ADD's listener binds the families read on the rules visit (no second entry into
+    the netns); a pod re-served after a restart, with none recorded, is asked again."""
+    import pytest
+
+    from agent.envoy import sink as sink_mod
+    from agent.netns.families import NoLoopback
+
+    asked: list[str] = []
+    monkeypatch.setattr(sink_mod, "loopback_families",
+                        lambda netns: asked.append(netns) or (True, True))
+    pod = CapturedPod(container_id="c1", uid="u", namespace="app", name="web",
+                      service_account="default", netns="/n/1", kubelet_netns="/n/1",
+                      ifname="eth0", ips=["10.1.0.5/24"], policy=None,  # type: ignore[arg-type]
+                      fingerprint="", reason="", loopback=(True, False))
+    lis = sink_mod.pod_listener(pod)
+    assert (lis.ipv4, lis.ipv6) == (True, False) and asked == []
+    pod.loopback = None
+    lis = sink_mod.pod_listener(pod)
+    assert (lis.ipv4, lis.ipv6) == (True, True) and asked == ["/n/1"]
+    pod.loopback = (False, False)
+    with pytest.raises(NoLoopback):
+        sink_mod.pod_listener(pod)

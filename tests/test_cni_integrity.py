@@ -73,6 +73,8 @@ class FakeKernel:
 def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
     k = FakeKernel()
     monkeypatch.setattr(nft, "apply_ruleset", k.apply_ruleset)
+    monkeypatch.setattr(nft, "apply_ruleset_and", lambda netns, script, first, then: (
+        nft.apply_ruleset(netns, script, first), (True, True)))
     monkeypatch.setattr(nft, "delete_table", k.delete_table)
     monkeypatch.setattr(nft, "live_fingerprint", k.live_fingerprint)
     monkeypatch.setattr(dataplane_mod, "check_netns_path", lambda path: path)

@@ -385,8 +385,8 @@ class CniHandler:
             pinned = True
         _fault("crash-after-pin")
         try:
-            fp = self.dataplane.apply(netns, render_ruleset(decision.policy),
-                                   first=render_create(decision.policy))
+            fp, loopback = self.dataplane.capture(netns, render_ruleset(decision.policy),
+                                                  first=render_create(decision.policy))
         except DATAPLANE_ERRORS as e:
             self._release_pin(netns, pinned)
             self.store.end_add(cid)
@@ -415,6 +415,7 @@ class CniHandler:
             net_admin=pod.net_admin,
             redirect_all_default=self._redirect_all_default(req.netconf),
             workload=pod.workload,
+            loopback=loopback,
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         try:

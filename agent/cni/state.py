@@ -43,6 +43,9 @@ class CapturedPod:
     redirect_all_default: bool = False  # the netconf's, so a live re-decision matches ADD's
     enrolled_live: bool = False  # captured by a label/annotation change, not by its ADD
     workload: str = ""  # the pod's owner (its Deployment, StatefulSet...): the metrics' source
+    # (127.0.0.1 binds, ::1 binds) in the netns, read by the ADD's own visit there; not
+    # recorded (a restarted agent reads it again)
+    loopback: tuple[bool, bool] | None = field(default=None, compare=False)
 
     @property
     def key(self) -> PodKey:
@@ -65,7 +68,7 @@ class CapturedPod:
         return cls(**d)
 
 
-_RECORD_FIELDS = tuple(f.name for f in fields(CapturedPod))
+_RECORD_FIELDS = tuple(f.name for f in fields(CapturedPod) if f.name != "loopback")
 
 
 @dataclass

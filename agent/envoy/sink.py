@@ -36,7 +36,7 @@ from agent.envoy.watchdog import main_thread_cpu
 from agent.envoy.xds import XdsServer
 from agent.identity.manager import IdentityManager
 from agent.netns.enter import NetnsError, netns_identity
-from agent.netns.families import NoLoopback, loopback_families
+from agent.netns.families import NoLoopback, loopback_families, require_loopback
 from agent.scope.route_tables import GammaResult
 
 log = logging.getLogger("aether.envoy")
@@ -59,8 +59,10 @@ def listener_name(pod: CapturedPod) -> str:
 
 def pod_listener(pod: CapturedPod, source_pods: bool = False) -> PodListener:
     """The pod's listener on the loopback families its netns really has (a pod with IPv6
-    disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind)."""
-    v4, v6 = loopback_families(pod.netns)
+    disabled gets 127.0.0.1 only: asking Envoy for ::1 there would fail the bind). An ADD
+    read them on its visit to program the rules; a pod re-served after a restart is asked."""
+    v4, v6 = (loopback_families(pod.netns) if pod.loopback is None
+              else require_loopback(pod.netns, pod.loopback))
     return _listener_of(pod, v4, v6, source_pods)
 
 

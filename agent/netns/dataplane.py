@@ -19,6 +19,7 @@ from agent.netns.enter import (
     host_netns_identities,
     netns_identity,
 )
+from agent.netns.families import families_here
 from agent.netns.pin import needs_pin, netns_state, pin, unpin
 
 # What a dataplane call raises when the netns or its rules are not as expected: one tuple,
@@ -55,6 +56,11 @@ class CaptureDataplane(Protocol):
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         """Apply the capture table atomically; the fingerprint of what the kernel holds."""
+
+    def capture(self, netns: str, ruleset: str, first: str | None = None
+                ) -> tuple[str, tuple[bool, bool]]:
+        """``apply``, and which loopback families bind there (127.0.0.1, ::1), in one visit:
+        the two questions an ADD asks of the pod's netns."""
 
     def drop(self, netns: str) -> bool:
         """Remove the capture table; False when there was none."""
@@ -94,6 +100,10 @@ class NftDataplane:
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
         return nft.apply_ruleset(netns, ruleset, first=first)
+
+    def capture(self, netns: str, ruleset: str, first: str | None = None
+                ) -> tuple[str, tuple[bool, bool]]:
+        return nft.apply_ruleset_and(netns, ruleset, first, families_here)
 
     def drop(self, netns: str) -> bool:
         return nft.delete_table(netns)

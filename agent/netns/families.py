@@ -43,15 +43,20 @@ def _lo_up() -> bool:
         return False
 
 
+def families_here() -> tuple[bool, bool]:
+    """(127.0.0.1 binds, ::1 binds) in the calling thread's netns, lo up: run inside the pod's
+    netns (by ``loopback_families``, or by an ADD's rules visit, which asks on its way out)."""
+    if not _lo_up():
+        return False, False
+    return _binds(socket.AF_INET, "127.0.0.1"), _binds(socket.AF_INET6, "::1")
+
+
+def require_loopback(netns: str, families: tuple[bool, bool]) -> tuple[bool, bool]:
+    if not any(families):
+        raise NoLoopback(f"netns {netns} has neither 127.0.0.1 nor ::1 (is lo up?)")
+    return families
+
+
 def loopback_families(netns: str, timeout: float = 5.0) -> tuple[bool, bool]:
     """(127.0.0.1 binds, ::1 binds) in the netns, lo up; raises NoLoopback when neither."""
-
-    def work() -> tuple[bool, bool]:
-        if not _lo_up():
-            return False, False
-        return _binds(socket.AF_INET, "127.0.0.1"), _binds(socket.AF_INET6, "::1")
-
-    v4, v6 = run_in_netns(netns, work, timeout=timeout)
-    if not (v4 or v6):
-        raise NoLoopback(f"netns {netns} has neither 127.0.0.1 nor ::1 (is lo up?)")
-    return v4, v6
+    return require_loopback(netns, run_in_netns(netns, families_here, timeout=timeout))

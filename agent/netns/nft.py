@@ -11,12 +11,15 @@ import ctypes
 import json
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import nftables
 
 from agent.capture.rules import TABLE_FAMILY, TABLE_NAME, fingerprint, render_delete
 from agent.netns.enter import run_in_netns
+
+T = TypeVar("T")
 
 
 class NftError(Exception):
@@ -120,35 +123,47 @@ class _CreatedFingerprints:
 created_fingerprints = _CreatedFingerprints()
 
 
+def _apply_here(script: str, first: str | None) -> str:
+    """Apply in the calling thread's netns; the fingerprint of what the kernel now holds."""
+    if first is None:
+        _run(script)
+    else:
+        try:
+            _run(first)
+        except NftError as e:
+            if "File exists" not in str(e):
+                raise
+            _run(script)
+        else:
+            known = created_fingerprints.get(first)
+            if known is not None:
+                return known
+            listing = _list_json()
+            if listing is None:
+                raise NftError("table missing right after it was programmed")
+            fp = fingerprint(listing)
+            created_fingerprints.put(first, fp)
+            return fp
+    listing = _list_json()
+    if listing is None:
+        raise NftError("table missing right after it was programmed")
+    return fingerprint(listing)
+
+
 def apply_ruleset(netns: str, script: str, first: str | None = None) -> str:
     """Apply atomically and return the fingerprint of what the kernel now holds. ``first``:
     a cheaper transaction to try before ``script`` (a plain `create table`, which fails when
     the table exists; then ``script``, the replace form, applies)."""
+    return run_in_netns(netns, lambda: _apply_here(script, first))
 
-    def work() -> str:
-        if first is None:
-            _run(script)
-        else:
-            try:
-                _run(first)
-            except NftError as e:
-                if "File exists" not in str(e):
-                    raise
-                _run(script)
-            else:
-                known = created_fingerprints.get(first)
-                if known is not None:
-                    return known
-                listing = _list_json()
-                if listing is None:
-                    raise NftError("table missing right after it was programmed")
-                fp = fingerprint(listing)
-                created_fingerprints.put(first, fp)
-                return fp
-        listing = _list_json()
-        if listing is None:
-            raise NftError("table missing right after it was programmed")
-        return fingerprint(listing)
+
+def apply_ruleset_and(netns: str, script: str, first: str | None,
+                      then: Callable[[], T]) -> tuple[str, T]:
+    """``apply_ruleset``, then ``then()`` in the same visit to the netns (once the rules are
+    in): an ADD's second question of the pod's netns costs no second entry."""
+    def work() -> tuple[str, T]:
+        fp = _apply_here(script, first)
+        return fp, then()
 
     return run_in_netns(netns, work)
 
