@@ -43,6 +43,7 @@ from agent.envoy.resources import (
     LISTENER_PREFIX,
     LISTENER_TYPE,
     NAMESPACE_LISTENER_PREFIX,
+    SHARED_MESH_LISTENER,
     NodeXdsState,
     PodListener,
 )
@@ -195,7 +196,9 @@ def payload(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
     by_type = {t.rsplit(".", 1)[-1]: sum(m.ByteSize() for m in res[t].values()) for t in TYPE_ORDER}
     lis = res[LISTENER_TYPE]
     pod_sizes = [m.ByteSize() for n, m in lis.items() if n.startswith(LISTENER_PREFIX)]
-    ns_sizes = [m.ByteSize() for n, m in lis.items() if n.startswith(NAMESPACE_LISTENER_PREFIX)]
+    # the internal listeners: the shared ``mesh`` and any ``mesh-<ns>`` of its own
+    ns_sizes = [m.ByteSize() for n, m in lis.items()
+                if n == SHARED_MESH_LISTENER or n.startswith(NAMESPACE_LISTENER_PREFIX)]
     return {
         "bytes_by_type": by_type,
         "total_bytes": sum(by_type.values()),
@@ -351,7 +354,8 @@ ROWS = [
     ("  Cluster bytes", ("bytes_by_type", "Cluster"), "MB"),
     ("  ClusterLoadAssignment bytes", ("bytes_by_type", "ClusterLoadAssignment"), "MB"),
     ("pod listener bytes (min..max)", "pod_listener_bytes", ""),
-    ("namespace listener bytes (each)", "namespace_listener_bytes", ""),
+    ("internal (mesh) listener bytes, largest", "namespace_listener_bytes", ""),
+    ("internal (mesh) listeners", "namespace_listeners", ""),
     ("pod ADD (existing ns)", "pod_add_ms", "ms"),
     ("pod DEL", "pod_del_ms", "ms"),
     ("pod ADD opening a new ns", "pod_add_new_namespace_ms", "ms"),

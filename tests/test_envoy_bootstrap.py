@@ -111,7 +111,7 @@ def test_envoy_validates_bootstrap_with_built_resources(tmp_path: Path, delta: b
     res = build(NodeXdsState(pods=(PodListener("a", "/var/run/netns/a"),
                                    PodListener("b", "/var/run/netns/b", ipv6=False)),
                              services=MESH_VIEWS))
-    assert len(res[LISTENER_TYPE]["mesh-default"].message().filter_chains) == 3
+    assert len(res[LISTENER_TYPE]["mesh"].message().filter_chains) == 3
     listeners = [getattr(lis, "message", lambda lis=lis: lis)()
                  for lis in res[LISTENER_TYPE].values()]
     b = build_bootstrap("n", str(tmp_path / "xds.sock"), str(tmp_path / "admin.sock"), delta=delta,

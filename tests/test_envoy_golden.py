@@ -59,7 +59,7 @@ def _cases() -> dict[str, dict[str, Any]]:
         "envoy_bootstrap": build_bootstrap("node-a~aether", "/run/aether/xds.sock",
                                            "/run/aether/envoy/admin.sock"),
         "envoy_pod_listener": _json(res[LISTENER_TYPE][f"capture-{POD.uid}"]),
-        "envoy_namespace_listener": _json(res[LISTENER_TYPE]["mesh-shop"]),
+        "envoy_namespace_listener": _json(res[LISTENER_TYPE]["mesh"]),  # shared: no consumer route
         "envoy_service_cluster": _json(res[CLUSTER_TYPE]["svc|shop|api|80"]),
         "envoy_passthrough_cluster": _json(build_passthrough_cluster(0xAE, 5.0)),
     }

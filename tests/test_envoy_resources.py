@@ -20,6 +20,7 @@ from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     LISTENER_TYPE,
+    SHARED_CALLERS,
     SO_MARK,
     SOL_SOCKET,
     NodeXdsState,
@@ -42,9 +43,10 @@ def _state(*pods: PodListener) -> NodeXdsState:
     return NodeXdsState(pods=pods)
 
 
-def _mesh(res: dict[str, dict[str, Any]], ns: str = "default") -> listener_pb2.Listener:
-    """The namespace's internal listener, parsed from the bytes the builder serves."""
-    raw = res[LISTENER_TYPE][f"mesh-{ns}"]
+def _mesh(res: dict[str, dict[str, Any]], name: str = "mesh") -> listener_pb2.Listener:
+    """An internal listener (the shared ``mesh`` by default), parsed from the bytes the
+    builder serves."""
+    raw = res[LISTENER_TYPE][name]
     assert isinstance(raw, RawResource)
     msg = raw.message()
     assert isinstance(msg, listener_pb2.Listener)
@@ -85,7 +87,7 @@ def test_listener_per_pod_bound_in_netns_v4_and_v6() -> None:
     assert tcp.cluster == "mesh-default"
     # the internal listener: original_dst (restores from filter state) + passthrough default
     mesh = _mesh(res)
-    assert mesh.name == "mesh-default" and mesh.HasField("internal_listener")
+    assert mesh.name == "mesh" and mesh.HasField("internal_listener")
     assert not mesh.HasField("address")
     assert [f.name for f in mesh.listener_filters] == ["envoy.filters.listener.original_dst"]
     (flt,) = mesh.default_filter_chain.filters
@@ -114,12 +116,14 @@ def test_namespace_cluster_reaches_internal_listener() -> None:
     res = build_resources(_state(PodListener("u1", "/n/1", namespace="shop"),
                                  PodListener("u2", "/n/2", namespace="shop"),
                                  PodListener("u3", "/n/3", namespace="ops")))
-    assert sorted(res[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3",
-                                          "mesh-ops", "mesh-shop"]
+    # no namespace has routes of its own: one internal listener for both
+    assert sorted(res[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3", "mesh"]
+    for name in ("mesh-shop", "mesh-ops"):
+        c = res[CLUSTER_TYPE][name]
+        assert c.type == cluster_pb2.Cluster.STATIC
+        (lb,) = c.load_assignment.endpoints[0].lb_endpoints
+        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
     c = res[CLUSTER_TYPE]["mesh-shop"]
-    assert c.type == cluster_pb2.Cluster.STATIC
-    (lb,) = c.load_assignment.endpoints[0].lb_endpoints
-    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh-shop"
     assert c.transport_socket.name == "envoy.transport_sockets.internal_upstream"
     iu = internal_upstream_pb2.InternalUpstreamTransport()
     assert c.transport_socket.typed_config.Unpack(iu)
@@ -143,8 +147,8 @@ def test_namespace_listener_bytes_equal_the_proto() -> None:
     chains = [chain_for(view, p, connect_attempts=Resilience().connect_attempts,
                         logs=TrafficLogs())
               for p in view.ports]
-    raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"]
-    proto = build_namespace_listener("default", chains)
+    raw = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh"]
+    proto = build_namespace_listener(SHARED_CALLERS, chains)
     assert raw.message() == proto
     assert encode_chains([]) == b""
 
@@ -208,7 +212,7 @@ def test_deterministic_and_sorted() -> None:
     pods = [PodListener(f"u{i}", f"/n/{i}") for i in (3, 1, 2)]
     a = build_resources(_state(*pods))
     b = build_resources(_state(*reversed(pods)))
-    assert list(a[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3", "mesh-default"]
+    assert list(a[LISTENER_TYPE]) == ["capture-u1", "capture-u2", "capture-u3", "mesh"]
     for t in (LISTENER_TYPE, CLUSTER_TYPE):
         assert list(a[t]) == list(b[t])
         for name in a[t]:
@@ -309,7 +313,7 @@ def test_pod_ips_of_a_headless_service_are_meshed_one_pod_each() -> None:
 
 def test_clashing_cluster_ip_keeps_first_service_only() -> None:
     res = build_resources(_svc_state(_view("a"), _view("b")))
-    assert list(_chains(res[LISTENER_TYPE]["mesh-default"])) == ["svc|mesh|a|80"]
+    assert list(_chains(res[LISTENER_TYPE]["mesh"])) == ["svc|mesh|a|80"]
 
 
 @pytest.mark.parametrize(("ready", "draining", "want"), [
@@ -376,7 +380,7 @@ def test_service_add_touches_clusters_eds_and_listeners_only_for_it() -> None:
     diff = {(t, n) for t in a for n in set(a[t]) | set(z[t]) if a[t].get(n) != z[t].get(n)}
     # the pod listener is untouched: only the namespace's internal listener gets the chain
     assert diff == {(CLUSTER_TYPE, "svc|mesh|db|80"), (ENDPOINT_TYPE, "svc|mesh|db|80"),
-                    (LISTENER_TYPE, "mesh-default")}
+                    (LISTENER_TYPE, "mesh")}
 
 
 def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
@@ -385,9 +389,11 @@ def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
                                                                  namespace="b"))
     view = _view()
     r1 = b.build(_svc_state(view, pods=pods))
-    l1, l2 = r1[LISTENER_TYPE]["mesh-a"].message(), r1[LISTENER_TYPE]["mesh-b"].message()
-    assert [c.SerializeToString(deterministic=True) for c in l1.filter_chains] == [
-        c.SerializeToString(deterministic=True) for c in l2.filter_chains]
+    # neither namespace has routes of its own: both clusters reach the one shared listener
+    assert [n for n in r1[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
+    for ns in ("a", "b"):
+        (lb,) = r1[CLUSTER_TYPE][f"mesh-{ns}"].load_assignment.endpoints[0].lb_endpoints
+        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
     # identical inputs: identical objects and dicts (the xDS server memoises by identity)
     r2 = b.build(_svc_state(view, pods=pods))
     for t in r1:
@@ -397,7 +403,7 @@ def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
     # endpoints only: listeners and clusters are the same objects, only the CLA is new
     view2 = _view(eps={80: (_ep("10.1.0.7"),)})
     r3 = b.build(_svc_state(view2, pods=pods))
-    assert r3[LISTENER_TYPE]["mesh-a"] is r1[LISTENER_TYPE]["mesh-a"]
+    assert r3[LISTENER_TYPE]["mesh"] is r1[LISTENER_TYPE]["mesh"]
     assert r3[CLUSTER_TYPE] is r1[CLUSTER_TYPE]
     assert r3[ENDPOINT_TYPE]["svc|mesh|web|80"] is not r1[ENDPOINT_TYPE]["svc|mesh|web|80"]
     # a pod added to an existing namespace: one new listener, everything else reused
@@ -409,11 +415,32 @@ def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
     r4 = b.build(_svc_state(pods=pods))
     assert list(r4[CLUSTER_TYPE]) == ["mesh-a", "mesh-b", "passthrough"]
     assert r4[ENDPOINT_TYPE] == {}
-    assert len(r4[LISTENER_TYPE]["mesh-a"].message().filter_chains) == 0
+    assert len(r4[LISTENER_TYPE]["mesh"].message().filter_chains) == 0
+
+
+def _consumer_gamma(*namespaces: str) -> Any:
+    """GAMMA tables with an HTTPRoute in each of ``namespaces`` on mesh/web:80 (consumer
+    routes: they apply to callers in their own namespace only, GEP-1294)."""
+    from agent.scope.route_tables import HTTP_ROUTE, build_tables
+    from agent.scope.routes import route_from_object
+    from agent.scope.services import Service
+
+    svcs = {"mesh/web": Service("mesh", "web", ("10.96.0.10",), (ServicePort(80, "http"),)),
+            "mesh/db": Service("mesh", "db", ("10.96.0.20",), (ServicePort(80, "http"),))}
+    routes = [route_from_object(HTTP_ROUTE, {
+        "metadata": {"name": f"to-db-{ns}", "namespace": ns,
+                     "creationTimestamp": "2026-01-01T00:00:00Z", "generation": 1},
+        "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "web",
+                                 "namespace": "mesh", "port": 80}],
+                 "rules": [{"backendRefs": [{"name": "db", "namespace": "mesh", "port": 80}]}]}})
+        for ns in namespaces]
+    return build_tables(routes, svcs)
 
 
 def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A port whose chain varies by caller namespace gets one chain per mesh-<ns>."""
+    """A namespace with a consumer route on a port gets its own ``mesh-<ns>`` with its own
+    chain there; every other namespace reaches the shared ``mesh``, whose chain for that
+    port is the one callers without a route of their own see."""
     import agent.envoy.resources as r
 
     calls: list[str | None] = []
@@ -425,20 +452,71 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
         c.name = f"{c.name}|{caller_ns}"
         return [c]
 
-    monkeypatch.setattr(r, "chain_varies_by_caller", lambda v, p, g=None: v.name == "web")
     monkeypatch.setattr(r, "chain_for", chain)
-    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"),
+            PodListener("p3", "/n/3", namespace="c"))
     b = ResourceBuilder()
     views = (_view(), _view("db", ips=("10.96.0.20",)))
-    res = b.build(_svc_state(*views, pods=pods))
+    gamma = _consumer_gamma("a")
+    res = b.build(replace(_svc_state(*views, pods=pods), gamma=gamma))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
     assert sorted(_chains(res[LISTENER_TYPE]["mesh-a"])) == ["svc|mesh|db|80|None",
                                                              "svc|mesh|web|80|a"]
-    assert sorted(_chains(res[LISTENER_TYPE]["mesh-b"])) == ["svc|mesh|db|80|None",
-                                                             "svc|mesh|web|80|b"]
-    assert sorted(calls, key=str) == [None, "a", "b"]
-    b.build(_svc_state(*views, pods=pods))
-    assert len(calls) == 3  # cached per caller
+    assert sorted(_chains(res[LISTENER_TYPE]["mesh"])) == ["svc|mesh|db|80|None",
+                                                           f"svc|mesh|web|80|{SHARED_CALLERS}"]
 
+    def reaches(res: dict[str, dict[str, Any]], ns: str) -> str:
+        (lb,) = res[CLUSTER_TYPE][f"mesh-{ns}"].load_assignment.endpoints[0].lb_endpoints
+        return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
+
+    assert [reaches(res, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
+    assert sorted(calls, key=str) == ["*", None, "a"]
+    b.build(replace(_svc_state(*views, pods=pods), gamma=gamma))
+    assert len(calls) == 3  # cached per caller
+    assert not b.pending_switch
+    # a consumer route appears in b: its listener first, its cluster still on the shared
+    # one (pushes go CDS before LDS: a cluster reaching a listener new in the same push
+    # would find none until the LDS lands), then, next build, the cluster moves
+    both = replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a", "b"))
+    res2 = b.build(both)
+    assert [n for n in res2[LISTENER_TYPE] if n.startswith("mesh")] == [
+        "mesh", "mesh-a", "mesh-b"]
+    assert [reaches(res2, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
+    assert b.pending_switch
+    res2 = b.build(both)
+    assert [reaches(res2, ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
+    assert not b.pending_switch
+    # the pod listeners are the same objects (a route change never touches them)
+    assert all(res2[LISTENER_TYPE][f"capture-{p}"] is res[LISTENER_TYPE][f"capture-{p}"]
+               for p in ("p1", "p2", "p3"))
+    # every route gone: the shared listener exists, so the clusters move at once and
+    # mesh-a and mesh-b are withdrawn
+    res3 = b.build(_svc_state(*views, pods=pods))
+    assert [n for n in res3[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
+    assert [reaches(res3, ns) for ns in "abc"] == ["mesh", "mesh", "mesh"]
+    assert not b.pending_switch
+
+
+def test_a_namespace_leaving_its_own_listener_waits_for_the_shared_one() -> None:
+    """Only namespace a has pods, and a route of its own: no shared listener exists. When
+    the route goes, ``mesh`` is emitted first with a's cluster still on ``mesh-a``."""
+    b = ResourceBuilder()
+    pods = (PodListener("p1", "/n/1", namespace="a"),)
+    views = (_view(), _view("db", ips=("10.96.0.20",)))
+    res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh-a"]
+
+    def reaches(res: dict[str, dict[str, Any]]) -> str:
+        (lb,) = res[CLUSTER_TYPE]["mesh-a"].load_assignment.endpoints[0].lb_endpoints
+        return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
+
+    assert reaches(res) == "mesh-a"
+    res = b.build(_svc_state(*views, pods=pods))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
+    assert reaches(res) == "mesh-a" and b.pending_switch
+    res = b.build(_svc_state(*views, pods=pods))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
+    assert reaches(res) == "mesh" and not b.pending_switch
 
 def test_passthrough_grpc_access_log_config() -> None:
     lis = _mesh(build_resources(_svc_state()))
@@ -500,11 +578,11 @@ def test_learn_chains_cached_until_targets_change() -> None:
 
     b = ResourceBuilder()
     state = replace(_svc_state(_view()), learn_targets=(("10.96.9.9", 80),))
-    first = b.build(state)[LISTENER_TYPE]["mesh-default"]
+    first = b.build(state)[LISTENER_TYPE]["mesh"]
     assert b.build(replace(state, learn_targets=(("10.96.9.9", 80),)))[LISTENER_TYPE][
-        "mesh-default"] is first
+        "mesh"] is first
     moved = b.build(replace(state, learn_targets=(("10.96.9.7", 80),)))[LISTENER_TYPE][
-        "mesh-default"]
+        "mesh"]
     assert moved is not first and _chains(moved)["learn-80"] == [("10.96.9.7", 32, 80)]
 
 
@@ -522,7 +600,7 @@ def test_client_ip_affinity_hashes_the_callers_address_with_maglev() -> None:
         res = build_resources(_svc_state(v))
         c = res[CLUSTER_TYPE]["svc|mesh|web|80"]
         assert cluster_pb2.Cluster.LbPolicy.Name(c.lb_policy) == lb
-        chain = next(c for c in res[LISTENER_TYPE]["mesh-default"].message().filter_chains
+        chain = next(c for c in res[LISTENER_TYPE]["mesh"].message().filter_chains
                      if c.name == "svc|mesh|web|80")
         tcp = tcp_proxy_pb2.TcpProxy()
         chain.filters[0].typed_config.Unpack(tcp)
@@ -580,7 +658,7 @@ def test_session_persistence_puts_envoys_stateful_session_before_the_router() ->
     from agent.scope.services import SessionPersistence, TrafficPolicy
 
     def hcm_of(view: ServiceView) -> Any:
-        mesh = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh-default"].message()
+        mesh = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh"].message()
         (chain,) = [c for c in mesh.filter_chains if c.name.endswith("|http")]
         hcm = hcm_pb2.HttpConnectionManager()
         chain.filters[0].typed_config.Unpack(hcm)

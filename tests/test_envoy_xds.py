@@ -124,7 +124,7 @@ def test_sotw_ack_nack_and_stale_nonce(server: XdsServer) -> None:
         c.send(_sotw_req(CLUSTER_TYPE, cds.version_info, cds.nonce))
         c.send(_sotw_req(LISTENER_TYPE))
         lds = c.recv()
-        assert _names(lds) == ["capture-a", "mesh-default"] and lds.version_info == v1
+        assert _names(lds) == ["capture-a", "mesh"] and lds.version_info == v1
         assert not server.wait_acked(v1, 0.2)  # LDS not yet ACKed
         c.send(_sotw_req(LISTENER_TYPE, lds.version_info, lds.nonce))
         assert server.wait_acked(v1, TIMEOUT)
@@ -133,7 +133,7 @@ def test_sotw_ack_nack_and_stale_nonce(server: XdsServer) -> None:
         v2 = server.set_state(_state("a", "b"))
         lds2 = c.recv()
         assert lds2.type_url == LISTENER_TYPE
-        assert _names(lds2) == ["capture-a", "capture-b", "mesh-default"]
+        assert _names(lds2) == ["capture-a", "capture-b", "mesh"]
         assert lds2.nonce != lds.nonce
         # Stale nonce with an "ACK" must not count.
         c.send(_sotw_req(LISTENER_TYPE, v2, lds.nonce))
@@ -170,7 +170,7 @@ def test_delta_adds_one_listener_and_removes(server: XdsServer) -> None:
         c.send(_delta_req(CLUSTER_TYPE, cds.nonce))
         c.send(_delta_req(LISTENER_TYPE))
         lds = c.recv()
-        assert [r.name for r in lds.resources] == ["capture-a", "capture-b", "mesh-default"]
+        assert [r.name for r in lds.resources] == ["capture-a", "capture-b", "mesh"]
         c.send(_delta_req(LISTENER_TYPE, lds.nonce))
 
         v = server.set_state(_state("a", "b", "c"))
@@ -207,7 +207,7 @@ def test_delta_initial_resource_versions_honoured(server: XdsServer) -> None:
     c2 = Client(server.socket_path, delta=True)
     try:
         init = {"capture-a": have["capture-a"], "capture-b": have["capture-b"],
-                "mesh-default": have["mesh-default"]}
+                "mesh": have["mesh"]}
         c2.send(_delta_req(LISTENER_TYPE, initial=init))
         resp = c2.recv()
         assert [r.name for r in resp.resources] == ["capture-c"]
@@ -473,3 +473,41 @@ def test_als_stream_calls_back(tmp_path: Path) -> None:
     finally:
         chan.close()
         s.stop(0.1)
+
+
+def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path: Path
+                                                                         ) -> None:
+    """A consumer route appearing in a namespace gives it an internal listener of its own;
+    one ``set_state`` pushes that listener (LDS) before the namespace's cluster moves to it
+    (CDS), so no connection meets a cluster reaching a listener Envoy does not have yet."""
+    from dataclasses import replace
+
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
+    from tests.test_envoy_resources import _consumer_gamma, _view
+
+    server = XdsServer(str(tmp_path / "xds.sock"))
+    st = server._register(True, "test")
+    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
+        server._on_request(st, t, "", "node", None, {},
+                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    server.set_state(base)
+
+    def drain() -> list[Any]:
+        out = []
+        while not st.out.empty():
+            resp = st.out.get_nowait()
+            if resp is not None:
+                out.append(resp)
+        return out
+
+    drain()
+    server.set_state(replace(base, gamma=_consumer_gamma("b")))
+    sent = [(r.type_url, [x.name for x in r.resources]) for r in drain()]
+    lds = [i for i, (t, names) in enumerate(sent) if t == LISTENER_TYPE and "mesh-b" in names]
+    cds = [i for i, (t, names) in enumerate(sent) if t == CLUSTER_TYPE and "mesh-b" in names]
+    assert len(lds) == 1 and len(cds) == 1 and lds[0] < cds[0], sent
+    last = server._snap.resources[CLUSTER_TYPE]["mesh-b"]
+    (lb,) = last.load_assignment.endpoints[0].lb_endpoints
+    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh-b"

@@ -699,7 +699,7 @@ def test_an_external_name_service_is_passthrough(model: MeshModel) -> None:
     views = {v.key: v for v in model.in_scope_services()}
     res = build_resources(NodeXdsState(pods=(PodListener("c", "/n", namespace="apps"),),
                                        services=tuple(views.values())))
-    mesh = res[LISTENER_TYPE]["mesh-apps"].message()
+    mesh = res[LISTENER_TYPE]["mesh"].message()
     names = [c.name for c in mesh.filter_chains]
     assert any("|plain|" in n for n in names)  # the control: a ClusterIP Service has its chain
     assert not any("|ext|" in n for n in names), names

@@ -95,8 +95,14 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 PASSTHROUGH_CLUSTER = "passthrough"
 LISTENER_PREFIX = "capture-"
-# Internal listener (and the STATIC cluster reaching it) per caller namespace.
+# The STATIC cluster per caller namespace, and the internal listener it reaches: ``mesh``,
+# shared by every namespace whose callers see the same chains, or ``mesh-<ns>`` for a
+# namespace with consumer routes of its own.
 NAMESPACE_LISTENER_PREFIX = "mesh-"
+SHARED_MESH_LISTENER = "mesh"
+# The caller "namespace" of the shared listener: no real one (not a DNS label), so no
+# consumer route applies to it and its table is the one every other namespace sees.
+SHARED_CALLERS = "*"
 DEFAULT_NAMESPACE = "default"
 SERVICE_CLUSTER_PREFIX = "svc|"
 ALS_LOG_NAME = "aether-passthrough"
@@ -149,7 +155,10 @@ def astuple_shallow(obj: Any) -> tuple[Any, ...]:
 
 
 def namespace_listener_name(namespace: str) -> str:
-    """``mesh-<ns>``: the internal listener (and its cluster) for callers in ``namespace``."""
+    """``mesh-<ns>``: the cluster for callers in ``namespace`` (and the internal listener it
+    reaches when their chains are their own); ``mesh`` for ``SHARED_CALLERS``."""
+    if namespace == SHARED_CALLERS:
+        return SHARED_MESH_LISTENER
     return f"{NAMESPACE_LISTENER_PREFIX}{namespace or DEFAULT_NAMESPACE}"
 
 
@@ -795,13 +804,15 @@ def build_namespace_listener(namespace: str,
         + encode_chains(chains))
 
 
-def build_namespace_cluster(namespace: str, connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """STATIC cluster ``mesh-<ns>`` whose only host is the internal listener ``mesh-<ns>``;
-    ``internal_upstream`` passes the pod listener's shared filter state along."""
+def build_namespace_cluster(namespace: str, connect_timeout_s: float,
+                            listener: str | None = None) -> cluster_pb2.Cluster:
+    """STATIC cluster ``mesh-<ns>`` whose only host is an internal listener: ``listener``
+    (the shared ``mesh``), or ``mesh-<ns>`` when None; ``internal_upstream`` passes the pod
+    listener's shared filter state along."""
     name = namespace_listener_name(namespace)
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
     cla.endpoints.add().lb_endpoints.add().endpoint.address.envoy_internal_address \
-        .server_listener_name = name
+        .server_listener_name = listener or name
     return cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.STATIC,
@@ -942,7 +953,16 @@ class ResourceBuilder:
         # caller namespace -> (chain table bytes, learn flag, listener)
         self._ns_listeners: dict[str, tuple[bytes, tuple[bool, bool, tuple[int, ...]],
                                              RawResource, bytes]] = {}
-        self._ns_clusters: dict[tuple[str, float], cluster_pb2.Cluster] = {}
+        self._ns_clusters: dict[tuple[str, float, str], cluster_pb2.Cluster] = {}
+        # (the tables it was computed from, namespaces with consumer routes of their own)
+        self._own: tuple[_ServiceTables | None, frozenset[str]] = (None, frozenset())
+        # caller namespace -> the internal listener key its cluster reached in the last
+        # build, and the keys of the internal listeners that build emitted
+        self._reach: dict[str, str] = {}
+        self._emitted: frozenset[str] = frozenset()
+        #: True when a cluster still reaches its old listener because the one it moves to
+        #: is new in this build: build again once this one is pushed (``XdsServer`` does)
+        self.pending_switch = False
         # Pod listeners, kept up to date by difference (``_pod_part``): an ADD or DEL
         # touches its own pod's entries, not every pod's. pod -> its (name, listener) pairs
         self._pod_entries: dict[PodListener, tuple[tuple[str, Any], ...]] = {}
@@ -1140,6 +1160,20 @@ class ResourceBuilder:
 
     # ---- listeners -----------------------------------------------------------------------
 
+    def _own_namespaces(self, tables: _ServiceTables) -> frozenset[str]:
+        """Caller namespaces whose chain table is not everyone's: those with a consumer
+        route (GEP-1294) on a row of the table. Every other namespace reaches the shared
+        listener, so the node holds (and Envoy parses) the table once, not per namespace."""
+        if self._own[0] is tables:
+            return self._own[1]
+        own: frozenset[str] = frozenset()
+        if tables.shared is None and tables.gamma is not None:
+            varying = {(e.view.key, p.port) for e, p, c in tables.rows if c is None}
+            own = frozenset(s for (t, p, s) in tables.gamma.tables
+                            if s is not None and (t, p) in varying)
+        self._own = (tables, own)
+        return own
+
     def _learn_bytes(self, state: NodeXdsState, tables: _ServiceTables) -> bytes:
         """The learn chains (empty when learning is off or streams everything), cached."""
         if not state.learn_access_log or state.learn_targets is None:
@@ -1172,18 +1206,35 @@ class ResourceBuilder:
         held = tls.svids if tls is not None else {}
         pods_changed = self._pod_part(state, held)
         namespaces = sorted(self._ns_count)
+        own = self._own_namespaces(tables)
+        # caller namespace -> the key of the internal listener its cluster reaches. A
+        # cluster moves to a listener only once an earlier build emitted it: pushes go
+        # out CDS before LDS, so a cluster and a listener new in the same push would leave
+        # the namespace's connections without a listener until the LDS lands. Until then
+        # it keeps the old one, and ``pending_switch`` asks for the next build.
+        reach: dict[str, str] = {}
+        for ns in namespaces:
+            want = ns if ns in own else SHARED_CALLERS
+            was = self._reach.get(ns)
+            reach[ns] = want if was is None or want in self._emitted else was
+        self.pending_switch = any(reach[ns] != (ns if ns in own else SHARED_CALLERS)
+                                  for ns in namespaces)
+        keys = sorted(set(reach.values()) | {ns for ns in namespaces if ns in own})
         ns_listeners: dict[str, RawResource] = {}
         learn = self._learn_bytes(state, tables)
         learn_all = state.learn_access_log and state.learn_targets is None
-        for ns in namespaces:
-            table = self._caller_table(tables, ns)
-            ns_listeners[namespace_listener_name(ns)] = self._namespace_listener(
-                ns, table, learn_all, state.connection_log, learn)
-        for ns in [n for n in self._ns_listeners if n not in namespaces]:
-            del self._ns_listeners[ns]
+        if self.pending_switch and SHARED_CALLERS not in keys:
+            keys = sorted({*keys, SHARED_CALLERS})  # the namespaces leaving theirs move here
+        for key in keys:
+            table = self._caller_table(tables, key)
+            ns_listeners[namespace_listener_name(key)] = self._namespace_listener(
+                key, table, learn_all, state.connection_log, learn)
+        for key in [k for k in self._ns_listeners if k not in keys]:
+            del self._ns_listeners[key]
         for e in self._services.values():
-            for ns in [n for n in e.per_caller if n not in namespaces]:
-                del e.per_caller[ns]
+            for key in [k for k in e.per_caller if k not in keys]:
+                del e.per_caller[key]
+        self._reach, self._emitted = reach, frozenset(keys)
         shared = dict(ns_listeners)
         if tls is not None:
             shared[mtls.MTLS_OUT_LISTENER] = self._fixed("mtls-out", mtls.build_mtls_out_listener)
@@ -1193,14 +1244,16 @@ class ResourceBuilder:
         if self._passthrough is None or self._passthrough[0] != pt_key:
             self._passthrough = (pt_key, build_passthrough_cluster(*pt_key))
         ns_clusters = {}
+        used = set()
         for ns in namespaces:
-            ck = (ns, state.connect_timeout_s)
+            ck = (ns, state.connect_timeout_s, namespace_listener_name(reach[ns]))
             c = self._ns_clusters.get(ck)
             if c is None:
-                c = self._ns_clusters[ck] = build_namespace_cluster(ns, state.connect_timeout_s)
+                c = self._ns_clusters[ck] = build_namespace_cluster(ns, state.connect_timeout_s,
+                                                                    ck[2])
             ns_clusters[c.name] = c
-        self._ns_clusters = {k: c for k, c in self._ns_clusters.items() if c.name in ns_clusters
-                             and k[1] == state.connect_timeout_s}
+            used.add(ck)
+        self._ns_clusters = {k: c for k, c in self._ns_clusters.items() if k in used}
         if tls is not None:
             mark, t = state.passthrough_mark, state.connect_timeout_s
             bind_key = (mark, t)

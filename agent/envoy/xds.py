@@ -188,16 +188,22 @@ class XdsServer:
         # Publishers are serialised (builder caches, version order) without holding the
         # stream lock, so ACKs keep flowing while a large snapshot is built and hashed.
         with self._publish_lock:
-            res = self._builder.build(state)
-            if extra_listeners:
-                res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
-                for lis in extra_listeners:
-                    res[LISTENER_TYPE][lis.name] = lis
-            # The builder returns the very same (never mutated) dict for a type whose
-            # inputs did not change: its hashes are reused without touching 10k entries.
-            same = {t for t in TYPE_ORDER if res.get(t) is self._built.get(t)}
-            self._built = {t: res.get(t, {}) for t in TYPE_ORDER}
-            return self._publish(res, self._hashes(res, same))
+            for _ in range(2):
+                res = self._builder.build(state)
+                if extra_listeners:
+                    res[LISTENER_TYPE] = dict(res[LISTENER_TYPE])
+                    for lis in extra_listeners:
+                        res[LISTENER_TYPE][lis.name] = lis
+                # The builder returns the very same (never mutated) dict for a type whose
+                # inputs did not change: its hashes are reused without touching 10k entries.
+                same = {t for t in TYPE_ORDER if res.get(t) is self._built.get(t)}
+                self._built = {t: res.get(t, {}) for t in TYPE_ORDER}
+                version = self._publish(res, self._hashes(res, same))
+                # a namespace cluster moving to an internal listener new in this push moves
+                # in the next one, queued behind this one's LDS on every stream
+                if not self._builder.pending_switch:
+                    break
+            return version
 
     def _hashes(self, resources: Resources, same: Iterable[str] = ()
                 ) -> dict[str, dict[str, str]]:
