@@ -2,8 +2,9 @@
 
 The bootstrap holds only what must exist before xDS is reachable: the node identity,
 the ``xds`` cluster over the agent's unix socket, the admin endpoint, the overload
-manager and the internal listener extension (the per-namespace ``mesh-<ns>`` listeners
-that pod capture listeners hand their connections to are Envoy internal listeners).
+manager and the internal listener extension (``mesh`` and any ``mesh-<ns>``, the
+listeners that pod capture listeners hand their connections to, are Envoy internal
+listeners).
 Everything per-pod arrives over ADS.
 """
 
@@ -101,7 +102,7 @@ def build_bootstrap(
         "static_resources": {
             "clusters": [xds_cluster] + [proto_to_json(c) for c in static_clusters],
         },
-        # user-space internal listeners (envoy_internal_address) for mesh-<ns>
+        # user-space internal listeners (envoy_internal_address): mesh, mesh-<ns>
         "bootstrap_extensions": [{
             "name": INTERNAL_LISTENER_EXTENSION,
             "typed_config": {"@type": INTERNAL_LISTENER_TYPE},

@@ -9,9 +9,10 @@ Two tiers of listeners, so per-pod config stays constant-size however many Servi
   and the pod listener name as ``aether.capture_listener``, all shared with the upstream
   connection once) + ``tcp_proxy`` to the cluster ``mesh-<pod namespace>``. Its size does not
   depend on the Services.
-* ``mesh-<namespace>``, one Envoy *internal listener* per namespace that has captured pods on
-  this node, reached through the STATIC cluster of the same name whose only endpoint is the
-  ``envoy_internal_address`` of that listener and whose transport socket is
+* ``mesh``, the Envoy *internal listener* of every caller namespace without consumer routes
+  of its own, and ``mesh-<namespace>`` for each namespace with some. Each namespace with
+  captured pods has a STATIC cluster ``mesh-<namespace>`` whose only endpoint is the
+  ``envoy_internal_address`` of its listener and whose transport socket is
   ``internal_upstream`` (it hands the shared filter state to the internal connection). Its
   ``original_dst`` listener filter restores the pod's original destination from that filter
   state, so chain matching, ``%DOWNSTREAM_LOCAL_ADDRESS%`` and the ORIGINAL_DST cluster all
@@ -21,8 +22,9 @@ Two tiers of listeners, so per-pod config stays constant-size however many Servi
   ORIGINAL_DST cluster whose upstream sockets carry SO_MARK, so the pod's redirect rule can
   RETURN Envoy's own traffic. The passthrough chain streams a gRPC access log to the agent
   (dependency learning); the entry's ``listener`` tag is the pod listener name read back from
-  filter state. One listener per *caller* namespace leaves room for per-caller route tables
-  (GAMMA); while no chain depends on the caller, all of them share one chain table.
+  filter state. A cluster per *caller* namespace leaves room for per-caller route tables
+  (GAMMA): a namespace with a consumer route gets a listener of its own, built before its
+  cluster moves to it (``ResourceBuilder.pending_switch``).
 
 The bootstrap must enable the ``envoy.bootstrap.internal_listener`` extension.
 
