@@ -300,6 +300,8 @@ def run_envoy(services: int, pods: int, namespaces: int) -> dict[str, Any]:
     names = [f"aexb{os.getpid() % 1000}x{p}" for p in range(pods + 1)]
     for n in names:
         subprocess.run(["ip", "netns", "add", n], check=True)
+        # a pod's loopback is up (the loopback CNI plugin): the pod listeners bind there
+        subprocess.run(["ip", "-n", n, "link", "set", "lo", "up"], check=True)
     cl = Cluster(services, 0, namespaces)
     local = [cl.pod_listener(p, cl.namespaces[p % namespaces], f"/var/run/netns/{names[p]}")
              for p in range(pods)]
