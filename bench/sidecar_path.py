@@ -6,7 +6,7 @@ traffic — the comparison users make before choosing a node proxy over a sideca
 Three client pods on one bridge reach the same static 1 KiB Envoy server:
 - **direct**: excludes the server's address from capture (no proxy at all: the floor);
 - **node**: captured by the real agent (its node Envoy, the production path: the pod
-  listener in the pod's netns, the internal `mesh-<ns>` listener, upstream sockets opened in
+  listener in the pod's netns, the internal `mesh` listener, upstream sockets opened in
   the pod's netns);
 - **sidecar**: never ADDed to aether; its own Envoy (the same binary, one worker like the
   node Envoy's default here) runs *inside* the pod's netns with a redirect-all nft table, the

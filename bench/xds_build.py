@@ -243,7 +243,7 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
     out["pod_add_ms"] = median_ms(add)
     out["pod_del_ms"] = median_ms(rm)
 
-    # a pod ADD that opens a new namespace (its mesh-<ns> listener holds every chain)
+    # a pod ADD that opens a new namespace (a new mesh-<ns> cluster, reaching ``mesh``)
     new_ns = []
     for r in range(reps):
         extra = cl.pod_listener(20_000 + r, f"fresh{r}")

@@ -653,6 +653,89 @@ def test_backend_level_filters(g: GammaNode) -> None:
 # ---- attachment ----------------------------------------------------------------------------
 
 
+def test_callers_moving_to_their_own_listener_lose_no_connection(g: GammaNode) -> None:
+    """Callers in namespaces without consumer routes share the internal listener ``mesh``;
+    a namespace's first consumer route gives its callers ``mesh-<ns>`` (the listener goes
+    out before their cluster moves to it), which they keep while they have pods. New
+    connections from that namespace all the while, to the route's target and to a Service
+    without routes, all answer; so does a kept-alive connection opened before the route
+    came, and one opened while it was there, after it has gone (no listener either crossed
+    was removed)."""
+    import http.client
+    import threading
+
+    from agent.netns.enter import run_in_netns
+
+    answers: list[tuple[str, Answer]] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            for target in ("t-move", "echo-v2"):
+                answers.extend((target, a) for a in g.http(target, "/", client="consumer/client",
+                                                           count=5, timeout=3.0))
+
+    def mesh_listeners(want: list[str]) -> list[str]:
+        """Envoy's internal listeners once they are ``want`` (an earlier test's routes may
+        still be on their way), or as they are after 10 s."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = sorted(n for n in g.node.listeners() if n == "mesh" or n.startswith("mesh-"))
+            if got == want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
+    def opened() -> http.client.HTTPConnection:
+        c = http.client.HTTPConnection(g.ips["echo-v2"], 80, timeout=5)
+        c.connect()  # in the client's netns: the socket stays there
+        return c
+
+    kept = [run_in_netns(g.pods["consumer/client"].netns, opened, timeout=10)]
+
+    def ask_kept() -> list[int]:
+        """Each kept-alive connection's answer to one more request."""
+        out = []
+        for c in kept:
+            c.request("GET", "/", headers={"Host": "echo-v2"})
+            r = c.getresponse()
+            r.read()
+            out.append(r.status)
+        return out
+
+    own = ["mesh", f"mesh-{CONSUMER_NS}"]
+    # the first test with a consumer route (placed so): the namespace still shares ``mesh``
+    assert mesh_listeners(["mesh"]) == ["mesh"]
+    assert ask_kept() == [200]
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    try:
+        time.sleep(1.0)
+        with g.routes("move",
+                      route("consumer", parent("t-move", namespace=PRODUCER_NS),
+                            [rule(backend("echo-v3", namespace=PRODUCER_NS),
+                                  filters=[mark("consumer")])], namespace=CONSUMER_NS),
+                      grant(CONSUMER_NS)):
+            g.converge(_marked("consumer", V3), "the consumer client gets its route", "t-move",
+                       client="consumer/client", samples=3)
+            assert mesh_listeners(own) == own
+            # a second one, through the namespace's own listener
+            kept.append(run_in_netns(g.pods["consumer/client"].netns, opened, timeout=10))
+            assert ask_kept() == [200, 200]
+            time.sleep(1.0)
+        g.converge(lambda a: a.pod == V1 and a.route_mark is None, "the route is gone",
+                   "t-move", client="consumer/client", samples=3)
+        time.sleep(3.0)  # past Envoy's drain time (--drain-time-s 2)
+        assert mesh_listeners(own) == own  # kept while the namespace has pods
+        assert ask_kept() == [200, 200]
+    finally:
+        stop.set()
+        worker.join(30)
+        for c in kept:
+            c.close()
+    failed = [f"{target}: {a.brief()}" for target, a in answers if a.status != 200]
+    assert len(answers) >= 50 and not failed, f"{len(failed)}/{len(answers)} failed: {failed[:5]}"
+
+
 def test_consumer_route_vs_producer_route(g: GammaNode) -> None:
     """A consumer route (in ns consumer) replaces the producer route for consumer pods only,
     and only on the ports it binds to."""
@@ -677,60 +760,6 @@ def test_consumer_route_vs_producer_route(g: GammaNode) -> None:
             assert all(a.pod == want and a.route_mark == who for a in answers), (
                 f"{client} → t-consumer:{port}: want {want} via the {who} route, got "
                 f"{summary(answers)}\n{g.envoy_evidence('t-consumer')}")
-
-
-def test_callers_moving_to_and_from_their_own_listener_lose_no_connection(g: GammaNode
-                                                                         ) -> None:
-    """Callers in namespaces without consumer routes share the internal listener ``mesh``;
-    a namespace's first consumer route gives its callers ``mesh-<ns>`` (the listener goes
-    out before their cluster moves to it) and its last one takes them back. New
-    connections from that namespace all the while, to the route's target and to a Service
-    without routes, all answer."""
-    import threading
-
-    answers: list[tuple[str, Answer]] = []
-    stop = threading.Event()
-
-    def stream() -> None:
-        while not stop.is_set():
-            for target in ("t-move", "echo-v2"):
-                answers.extend((target, a) for a in g.http(target, "/", client="consumer/client",
-                                                           count=5, timeout=3.0))
-
-    def mesh_listeners(want: list[str]) -> list[str]:
-        """Envoy's internal listeners once they are ``want`` (an earlier test's routes may
-        still be on their way out), or as they are after 10 s."""
-        deadline = time.monotonic() + 10
-        while True:
-            got = sorted(n for n in g.node.listeners() if n == "mesh" or n.startswith("mesh-"))
-            if got == want or time.monotonic() > deadline:
-                return got
-            time.sleep(0.2)
-
-    assert mesh_listeners(["mesh"]) == ["mesh"]
-    worker = threading.Thread(target=stream, daemon=True)
-    worker.start()
-    try:
-        time.sleep(1.0)
-        with g.routes("move",
-                      route("consumer", parent("t-move", namespace=PRODUCER_NS),
-                            [rule(backend("echo-v3", namespace=PRODUCER_NS),
-                                  filters=[mark("consumer")])], namespace=CONSUMER_NS),
-                      grant(CONSUMER_NS)):
-            g.converge(_marked("consumer", V3), "the consumer client gets its route", "t-move",
-                       client="consumer/client", samples=3)
-            own = ["mesh", f"mesh-{CONSUMER_NS}"]
-            assert mesh_listeners(own) == own
-            time.sleep(1.0)
-        g.converge(lambda a: a.pod == V1 and a.route_mark is None, "the route is gone",
-                   "t-move", client="consumer/client", samples=3)
-        assert mesh_listeners(["mesh"]) == ["mesh"]
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        worker.join(30)
-    failed = [f"{target}: {a.brief()}" for target, a in answers if a.status != 200]
-    assert len(answers) >= 50 and not failed, f"{len(failed)}/{len(answers)} failed: {failed[:5]}"
 
 
 def test_consumer_route_on_all_ports(g: GammaNode) -> None:

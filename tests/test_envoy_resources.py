@@ -489,34 +489,63 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     # the pod listeners are the same objects (a route change never touches them)
     assert all(res2[LISTENER_TYPE][f"capture-{p}"] is res[LISTENER_TYPE][f"capture-{p}"]
                for p in ("p1", "p2", "p3"))
-    # every route gone: the shared listener exists, so the clusters move at once and
-    # mesh-a and mesh-b are withdrawn
+    # every route gone: a and b keep their listeners (now with everyone's chains) while
+    # they have pods, since removing a listener closes the connections it carries
     res3 = b.build(_svc_state(*views, pods=pods))
-    assert [n for n in res3[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
-    assert [reaches(res3, ns) for ns in "abc"] == ["mesh", "mesh", "mesh"]
+    assert [n for n in res3[LISTENER_TYPE] if n.startswith("mesh")] == [
+        "mesh", "mesh-a", "mesh-b"]
+    assert [reaches(res3, ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
+    assert _chains(res3[LISTENER_TYPE]["mesh-a"]).keys() == _chains(
+        res3[LISTENER_TYPE]["mesh"]).keys()
     assert not b.pending_switch
+    # b's pods leave and one comes back: b starts on the shared listener again
+    b.build(_svc_state(*views, pods=pods[:1] + pods[2:]))
+    res4 = b.build(_svc_state(*views, pods=pods))
+    assert [n for n in res4[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
+    assert [reaches(res4, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
 
 
-def test_a_namespace_leaving_its_own_listener_waits_for_the_shared_one() -> None:
-    """Only namespace a has pods, and a route of its own: no shared listener exists. When
-    the route goes, ``mesh`` is emitted first with a's cluster still on ``mesh-a``."""
+def test_the_shared_listener_stays_while_any_namespace_has_pods() -> None:
+    """Only namespace a has pods, and a route of its own: ``mesh`` is there all the same
+    (connections made through it before a's move keep their listener), and a keeps
+    ``mesh-a`` once its route is gone."""
     b = ResourceBuilder()
     pods = (PodListener("p1", "/n/1", namespace="a"),)
     views = (_view(), _view("db", ips=("10.96.0.20",)))
-    res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
-    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh-a"]
 
     def reaches(res: dict[str, dict[str, Any]]) -> str:
         (lb,) = res[CLUSTER_TYPE]["mesh-a"].load_assignment.endpoints[0].lb_endpoints
         return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
 
-    assert reaches(res) == "mesh-a"
-    res = b.build(_svc_state(*views, pods=pods))
-    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
-    assert reaches(res) == "mesh-a" and b.pending_switch
     res = b.build(_svc_state(*views, pods=pods))
     assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
-    assert reaches(res) == "mesh" and not b.pending_switch
+    res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
+    assert reaches(res) == "mesh" and b.pending_switch
+    res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
+    assert reaches(res) == "mesh-a" and not b.pending_switch
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
+    res = b.build(_svc_state(*views, pods=pods))
+    assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
+    assert reaches(res) == "mesh-a" and not b.pending_switch
+    assert b.build(_svc_state(*views, pods=()))[LISTENER_TYPE] == {}
+
+
+def test_a_refused_listener_holds_the_move() -> None:
+    """Envoy NACKed the push carrying a namespace's new listener: its cluster stays on the
+    shared one, and the next build offers the listener again."""
+    b = ResourceBuilder()
+    pods = (PodListener("p1", "/n/1", namespace="a"),)
+    state = replace(_svc_state(_view(), _view("db", ips=("10.96.0.20",)), pods=pods),
+                    gamma=_consumer_gamma("a"))
+    b.build(_svc_state(_view(), _view("db", ips=("10.96.0.20",)), pods=pods))
+    b.build(state)
+    assert b.pending_switch
+    b.hold_moves()
+    res = b.build(state)
+    (lb,) = res[CLUSTER_TYPE]["mesh-a"].load_assignment.endpoints[0].lb_endpoints
+    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+    assert "mesh-a" in res[LISTENER_TYPE] and b.pending_switch
 
 def test_passthrough_grpc_access_log_config() -> None:
     lis = _mesh(build_resources(_svc_state()))

@@ -511,3 +511,53 @@ def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path
     last = server._snap.resources[CLUSTER_TYPE]["mesh-b"]
     (lb,) = last.load_assignment.endpoints[0].lb_endpoints
     assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh-b"
+
+
+def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> None:
+    """Envoy refuses the LDS carrying a namespace's own listener: the publish does not
+    move the namespace's cluster to it (it would reach a listener Envoy does not have)."""
+    from dataclasses import replace
+
+    from google.rpc import status_pb2
+
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
+    from tests.test_envoy_resources import _consumer_gamma, _view
+
+    server = XdsServer(str(tmp_path / "xds.sock"))
+    st = server._register(True, "test")
+    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
+        server._on_request(st, t, "", "node", None, {},
+                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    stop = threading.Event()
+
+    def envoy() -> None:
+        """ACKs everything but an LDS carrying mesh-b, which it NACKs."""
+        while not stop.is_set():
+            try:
+                resp = st.out.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if resp is None:
+                continue
+            bad = resp.type_url == LISTENER_TYPE and any(
+                r.name == "mesh-b" for r in resp.resources)
+            err = status_pb2.Status(code=3, message="refused") if bad else None
+            server._on_request(st, resp.type_url, resp.nonce, "", err, None,
+                               discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url))
+
+    worker = threading.Thread(target=envoy, daemon=True)
+    worker.start()
+    try:
+        pods = (PodListener("p1", "/n/1", namespace="a"),
+                PodListener("p2", "/n/2", namespace="b"))
+        base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+        server.set_state(base)
+        time.sleep(0.3)  # the fake Envoy ACKs it
+        server.set_state(replace(base, gamma=_consumer_gamma("b")))
+        cluster = server._snap.resources[CLUSTER_TYPE]["mesh-b"]
+        (lb,) = cluster.load_assignment.endpoints[0].lb_endpoints
+        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+        assert server.status()["last_nack"]["error_detail"] == "refused"
+    finally:
+        stop.set()
+        worker.join(5)

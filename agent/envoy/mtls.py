@@ -3,8 +3,8 @@ proxied connection, the destination port in the TLS server name.
 
 Outbound (a captured pod calling a Service endpoint)::
 
-    mesh-<ns> Service chain ─▶ svc|<ns>|<name>|<port>  (EDS; endpoints are internal addresses
-                               of ``mtls-out`` carrying the pod address and its SPIFFE ID)
+    mesh Service chain ─▶ svc|<ns>|<name>|<port>  (EDS; endpoints are internal addresses
+                          of ``mtls-out`` carrying the pod address and its SPIFFE ID)
     mtls-out (internal listener) ─ set_filter_state: the caller's cluster, the backend SAN,
                 the SNI "<port>" ─▶ tcp_proxy
     mtls|<ns>|<sa> (ORIGINAL_DST, port overridden to 15008, socket in the caller's netns)
@@ -236,7 +236,7 @@ def unlimited_circuit_breakers(cluster: cluster_pb2.Cluster) -> None:
 
 def caller_state(identity: str) -> value_pb2.FilterStateValue:
     """Set by a pod's capture listener: which mtls cluster (client certificate) its mesh
-    connections use. Transitive: it crosses mesh-<ns> and the Service cluster to mtls-out."""
+    connections use. Transitive: it crosses mesh and the Service cluster to mtls-out."""
     return state_value(CALLER_CLUSTER_STATE, mtls_cluster_name(identity), STRING_STATE_FACTORY,
                        TRANSITIVE)
 

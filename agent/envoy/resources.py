@@ -209,6 +209,8 @@ class PodListener:
 
     @property
     def mesh_listener_name(self) -> str:
+        """The cluster ``mesh-<ns>`` the pod listener hands its connections to (it reaches
+        ``mesh`` or the namespace's own internal listener)."""
         return namespace_listener_name(self.namespace)
 
 
@@ -447,7 +449,7 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
     """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
     attach to this Service port (by appProtocol; http_inspector detection when unset).
 
-    ``caller_ns`` is the namespace of the calling pods (the ``mesh-<ns>`` listener), or None
+    ``caller_ns`` is the namespace of the calling pods (``SHARED_CALLERS`` for ``mesh``), or None
     for a chain shared by all callers (see ``chain_varies_by_caller``). May return one chain
     or several (HTTP + L4 fallback); all match only this Service port.
     """
@@ -959,9 +961,11 @@ class ResourceBuilder:
         # (the tables it was computed from, namespaces with consumer routes of their own)
         self._own: tuple[_ServiceTables | None, frozenset[str]] = (None, frozenset())
         # caller namespace -> the internal listener key its cluster reached in the last
-        # build, and the keys of the internal listeners that build emitted
+        # build; the keys of the internal listeners that build emitted; the namespaces
+        # with a listener of their own (kept while they have pods: see ``build``)
         self._reach: dict[str, str] = {}
         self._emitted: frozenset[str] = frozenset()
+        self._sticky: frozenset[str] = frozenset()
         #: True when a cluster still reaches its old listener because the one it moves to
         #: is new in this build: build again once this one is pushed (``XdsServer`` does)
         self.pending_switch = False
@@ -1176,6 +1180,13 @@ class ResourceBuilder:
         self._own = (tables, own)
         return own
 
+    def hold_moves(self) -> None:
+        """Envoy refused the push that carried the listeners clusters were about to move
+        to: forget it carried them, so the clusters stay where they are (the next build
+        offers those listeners again and asks for another build)."""
+        self._emitted = frozenset(self._reach.values())
+        self.pending_switch = False
+
     def _learn_bytes(self, state: NodeXdsState, tables: _ServiceTables) -> bytes:
         """The learn chains (empty when learning is off or streams everything), cached."""
         if not state.learn_access_log or state.learn_targets is None:
@@ -1209,6 +1220,12 @@ class ResourceBuilder:
         pods_changed = self._pod_part(state, held)
         namespaces = sorted(self._ns_count)
         own = self._own_namespaces(tables)
+        # A namespace that got a listener of its own keeps it while it has pods on the node,
+        # routes or not, and the shared one stays while any namespace does: removing a
+        # listener closes the connections it carries (after Envoy's drain time), so a
+        # route change must only ever change chains, as it did when every namespace had
+        # its own. Moves therefore go one way, shared to own.
+        sticky = frozenset(ns for ns in namespaces if ns in own or ns in self._sticky)
         # caller namespace -> the key of the internal listener its cluster reaches. A
         # cluster moves to a listener only once an earlier build emitted it: pushes go
         # out CDS before LDS, so a cluster and a listener new in the same push would leave
@@ -1216,17 +1233,15 @@ class ResourceBuilder:
         # it keeps the old one, and ``pending_switch`` asks for the next build.
         reach: dict[str, str] = {}
         for ns in namespaces:
-            want = ns if ns in own else SHARED_CALLERS
+            want = ns if ns in sticky else SHARED_CALLERS
             was = self._reach.get(ns)
             reach[ns] = want if was is None or want in self._emitted else was
-        self.pending_switch = any(reach[ns] != (ns if ns in own else SHARED_CALLERS)
-                                  for ns in namespaces)
-        keys = sorted(set(reach.values()) | {ns for ns in namespaces if ns in own})
+        pending = any(reach[ns] != (ns if ns in sticky else SHARED_CALLERS)
+                      for ns in namespaces)
+        keys = sorted({SHARED_CALLERS, *reach.values(), *sticky}) if namespaces else []
         ns_listeners: dict[str, RawResource] = {}
         learn = self._learn_bytes(state, tables)
         learn_all = state.learn_access_log and state.learn_targets is None
-        if self.pending_switch and SHARED_CALLERS not in keys:
-            keys = sorted({*keys, SHARED_CALLERS})  # the namespaces leaving theirs move here
         for key in keys:
             table = self._caller_table(tables, key)
             ns_listeners[namespace_listener_name(key)] = self._namespace_listener(
@@ -1236,7 +1251,6 @@ class ResourceBuilder:
         for e in self._services.values():
             for key in [k for k in e.per_caller if k not in keys]:
                 del e.per_caller[key]
-        self._reach, self._emitted = reach, frozenset(keys)
         shared = dict(ns_listeners)
         if tls is not None:
             shared[mtls.MTLS_OUT_LISTENER] = self._fixed("mtls-out", mtls.build_mtls_out_listener)
@@ -1286,6 +1300,10 @@ class ResourceBuilder:
             clusters[PASSTHROUGH_CLUSTER] = self._passthrough[1]
             clusters.update(ns_clusters)
             self._cluster_out = (out_key, dict(sorted(clusters.items())), tables.clusters)
+        # recorded only now that the build is complete (a build that raised left nothing
+        # behind for the next one to move a cluster to)
+        self._reach, self._emitted, self._sticky = reach, frozenset(keys), sticky
+        self.pending_switch = pending
         return {
             mtls.SECRET_TYPE: secrets,
             CLUSTER_TYPE: self._cluster_out[1],

@@ -50,6 +50,9 @@ from agent.envoy.traffic import AccessRecorder, Report
 # xDS ordering: secrets (SDS), clusters, then their endpoints, then the listeners that
 # reference them.
 TYPE_ORDER = (SECRET_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
+# How long a publish that moves a namespace's cluster to a new internal listener waits for
+# Envoy's verdict on that listener before it moves the cluster (only a NACK stops it).
+MOVE_NACK_WAIT_S = 1.0
 # Types Envoy subscribes to by resource name (never wildcard).
 NAMED_TYPES = frozenset({ENDPOINT_TYPE, SECRET_TYPE})
 
@@ -187,6 +190,7 @@ class XdsServer:
         """
         # Publishers are serialised (builder caches, version order) without holding the
         # stream lock, so ACKs keep flowing while a large snapshot is built and hashed.
+        extra_listeners = tuple(extra_listeners)  # may be read twice below
         with self._publish_lock:
             for _ in range(2):
                 res = self._builder.build(state)
@@ -200,10 +204,26 @@ class XdsServer:
                 self._built = {t: res.get(t, {}) for t in TYPE_ORDER}
                 version = self._publish(res, self._hashes(res, same))
                 # a namespace cluster moving to an internal listener new in this push moves
-                # in the next one, queued behind this one's LDS on every stream
+                # in the next one, queued behind this one's LDS on every stream; unless
+                # Envoy refuses that LDS (the cluster would reach a listener it lacks)
                 if not self._builder.pending_switch:
                     break
+                if self._refused(version, MOVE_NACK_WAIT_S):
+                    self._builder.hold_moves()
+                    break
             return version
+
+    def _refused(self, version: str, within: float) -> bool:
+        """Whether a connected Envoy NACKs ``version`` within ``within`` seconds (False at
+        once with no Envoy connected, or when it ACKs)."""
+        deadline = time.monotonic() + within
+        while self.status()["connected_streams"] and time.monotonic() < deadline:
+            if self.wait_acked(version, 0.05):
+                return False
+            nack = self._last_nack
+            if nack is not None and nack.get("version") == version:
+                return True
+        return False
 
     def _hashes(self, resources: Resources, same: Iterable[str] = ()
                 ) -> dict[str, dict[str, str]]:
