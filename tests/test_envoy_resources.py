@@ -43,6 +43,12 @@ def _state(*pods: PodListener) -> NodeXdsState:
     return NodeXdsState(pods=pods)
 
 
+def _reaches(clusters: dict[str, Any], ns: str) -> str:
+    """The internal listener the cluster ``mesh-<ns>`` hands its connections to."""
+    (lb,) = clusters[f"mesh-{ns}"].load_assignment.endpoints[0].lb_endpoints
+    return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
+
+
 def _mesh(res: dict[str, dict[str, Any]], name: str = "mesh") -> listener_pb2.Listener:
     """An internal listener (the shared ``mesh`` by default), parsed from the bytes the
     builder serves."""
@@ -121,8 +127,7 @@ def test_namespace_cluster_reaches_internal_listener() -> None:
     for name in ("mesh-shop", "mesh-ops"):
         c = res[CLUSTER_TYPE][name]
         assert c.type == cluster_pb2.Cluster.STATIC
-        (lb,) = c.load_assignment.endpoints[0].lb_endpoints
-        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+        assert _reaches(res[CLUSTER_TYPE], name.removeprefix("mesh-")) == "mesh"
     c = res[CLUSTER_TYPE]["mesh-shop"]
     assert c.transport_socket.name == "envoy.transport_sockets.internal_upstream"
     iu = internal_upstream_pb2.InternalUpstreamTransport()
@@ -391,9 +396,7 @@ def test_builder_reuses_protos_and_shares_chains_across_namespaces() -> None:
     r1 = b.build(_svc_state(view, pods=pods))
     # neither namespace has routes of its own: both clusters reach the one shared listener
     assert [n for n in r1[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
-    for ns in ("a", "b"):
-        (lb,) = r1[CLUSTER_TYPE][f"mesh-{ns}"].load_assignment.endpoints[0].lb_endpoints
-        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+    assert [_reaches(r1[CLUSTER_TYPE], ns) for ns in "ab"] == ["mesh", "mesh"]
     # identical inputs: identical objects and dicts (the xDS server memoises by identity)
     r2 = b.build(_svc_state(view, pods=pods))
     for t in r1:
@@ -465,11 +468,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sorted(_chains(res[LISTENER_TYPE]["mesh"])) == ["svc|mesh|db|80|None",
                                                            f"svc|mesh|web|80|{SHARED_CALLERS}"]
 
-    def reaches(res: dict[str, dict[str, Any]], ns: str) -> str:
-        (lb,) = res[CLUSTER_TYPE][f"mesh-{ns}"].load_assignment.endpoints[0].lb_endpoints
-        return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
-
-    assert [reaches(res, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
+    assert [_reaches(res[CLUSTER_TYPE], ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
     assert sorted(calls, key=str) == ["*", None, "a"]
     b.build(replace(_svc_state(*views, pods=pods), gamma=gamma))
     assert len(calls) == 3  # cached per caller
@@ -481,10 +480,10 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     res2 = b.build(both)
     assert [n for n in res2[LISTENER_TYPE] if n.startswith("mesh")] == [
         "mesh", "mesh-a", "mesh-b"]
-    assert [reaches(res2, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
+    assert [_reaches(res2[CLUSTER_TYPE], ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
     assert b.pending_switch
     res2 = b.build(both)
-    assert [reaches(res2, ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
+    assert [_reaches(res2[CLUSTER_TYPE], ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
     assert not b.pending_switch
     # the pod listeners are the same objects (a route change never touches them)
     assert all(res2[LISTENER_TYPE][f"capture-{p}"] is res[LISTENER_TYPE][f"capture-{p}"]
@@ -494,7 +493,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     res3 = b.build(_svc_state(*views, pods=pods))
     assert [n for n in res3[LISTENER_TYPE] if n.startswith("mesh")] == [
         "mesh", "mesh-a", "mesh-b"]
-    assert [reaches(res3, ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
+    assert [_reaches(res3[CLUSTER_TYPE], ns) for ns in "abc"] == ["mesh-a", "mesh-b", "mesh"]
     assert _chains(res3[LISTENER_TYPE]["mesh-a"]).keys() == _chains(
         res3[LISTENER_TYPE]["mesh"]).keys()
     assert not b.pending_switch
@@ -502,7 +501,7 @@ def test_caller_specific_chains(monkeypatch: pytest.MonkeyPatch) -> None:
     b.build(_svc_state(*views, pods=pods[:1] + pods[2:]))
     res4 = b.build(_svc_state(*views, pods=pods))
     assert [n for n in res4[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
-    assert [reaches(res4, ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
+    assert [_reaches(res4[CLUSTER_TYPE], ns) for ns in "abc"] == ["mesh-a", "mesh", "mesh"]
 
 
 def test_the_shared_listener_stays_while_any_namespace_has_pods() -> None:
@@ -513,21 +512,17 @@ def test_the_shared_listener_stays_while_any_namespace_has_pods() -> None:
     pods = (PodListener("p1", "/n/1", namespace="a"),)
     views = (_view(), _view("db", ips=("10.96.0.20",)))
 
-    def reaches(res: dict[str, dict[str, Any]]) -> str:
-        (lb,) = res[CLUSTER_TYPE]["mesh-a"].load_assignment.endpoints[0].lb_endpoints
-        return str(lb.endpoint.address.envoy_internal_address.server_listener_name)
-
     res = b.build(_svc_state(*views, pods=pods))
     assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh"]
     res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
     assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
-    assert reaches(res) == "mesh" and b.pending_switch
+    assert _reaches(res[CLUSTER_TYPE], "a") == "mesh" and b.pending_switch
     res = b.build(replace(_svc_state(*views, pods=pods), gamma=_consumer_gamma("a")))
-    assert reaches(res) == "mesh-a" and not b.pending_switch
+    assert _reaches(res[CLUSTER_TYPE], "a") == "mesh-a" and not b.pending_switch
     assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
     res = b.build(_svc_state(*views, pods=pods))
     assert [n for n in res[LISTENER_TYPE] if n.startswith("mesh")] == ["mesh", "mesh-a"]
-    assert reaches(res) == "mesh-a" and not b.pending_switch
+    assert _reaches(res[CLUSTER_TYPE], "a") == "mesh-a" and not b.pending_switch
     assert b.build(_svc_state(*views, pods=()))[LISTENER_TYPE] == {}
 
 
@@ -543,8 +538,7 @@ def test_a_refused_listener_holds_the_move() -> None:
     assert b.pending_switch
     b.hold_moves()
     res = b.build(state)
-    (lb,) = res[CLUSTER_TYPE]["mesh-a"].load_assignment.endpoints[0].lb_endpoints
-    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+    assert _reaches(res[CLUSTER_TYPE], "a") == "mesh"
     assert "mesh-a" in res[LISTENER_TYPE] and b.pending_switch
 
 def test_passthrough_grpc_access_log_config() -> None:

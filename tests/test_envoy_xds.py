@@ -483,7 +483,7 @@ def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path
     from dataclasses import replace
 
     from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _view
+    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
 
     server = XdsServer(str(tmp_path / "xds.sock"))
     st = server._register(True, "test")
@@ -508,9 +508,7 @@ def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path
     lds = [i for i, (t, names) in enumerate(sent) if t == LISTENER_TYPE and "mesh-b" in names]
     cds = [i for i, (t, names) in enumerate(sent) if t == CLUSTER_TYPE and "mesh-b" in names]
     assert len(lds) == 1 and len(cds) == 1 and lds[0] < cds[0], sent
-    last = server._snap.resources[CLUSTER_TYPE]["mesh-b"]
-    (lb,) = last.load_assignment.endpoints[0].lb_endpoints
-    assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh-b"
+    assert _reaches(server._snap.resources[CLUSTER_TYPE], "b") == "mesh-b"
 
 
 def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> None:
@@ -521,7 +519,7 @@ def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> N
     from google.rpc import status_pb2
 
     from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _view
+    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
 
     server = XdsServer(str(tmp_path / "xds.sock"))
     st = server._register(True, "test")
@@ -554,9 +552,7 @@ def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> N
         server.set_state(base)
         time.sleep(0.3)  # the fake Envoy ACKs it
         server.set_state(replace(base, gamma=_consumer_gamma("b")))
-        cluster = server._snap.resources[CLUSTER_TYPE]["mesh-b"]
-        (lb,) = cluster.load_assignment.endpoints[0].lb_endpoints
-        assert lb.endpoint.address.envoy_internal_address.server_listener_name == "mesh"
+        assert _reaches(server._snap.resources[CLUSTER_TYPE], "b") == "mesh"
         assert server.status()["last_nack"]["error_detail"] == "refused"
     finally:
         stop.set()

@@ -1232,13 +1232,15 @@ class ResourceBuilder:
         # the namespace's connections without a listener until the LDS lands. Until then
         # it keeps the old one, and ``pending_switch`` asks for the next build.
         reach: dict[str, str] = {}
+        pending = False
         for ns in namespaces:
             want = ns if ns in sticky else SHARED_CALLERS
             was = self._reach.get(ns)
             reach[ns] = want if was is None or want in self._emitted else was
-        pending = any(reach[ns] != (ns if ns in sticky else SHARED_CALLERS)
-                      for ns in namespaces)
-        keys = sorted({SHARED_CALLERS, *reach.values(), *sticky}) if namespaces else []
+            pending = pending or reach[ns] != want
+        # every listener a cluster reaches is among these: a namespace only ever waits on
+        # the shared one, and one that reached its own is still sticky
+        keys = sorted({SHARED_CALLERS, *sticky}) if namespaces else []
         ns_listeners: dict[str, RawResource] = {}
         learn = self._learn_bytes(state, tables)
         learn_all = state.learn_access_log and state.learn_targets is None

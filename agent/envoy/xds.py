@@ -217,12 +217,15 @@ class XdsServer:
         """Whether a connected Envoy NACKs ``version`` within ``within`` seconds (False at
         once with no Envoy connected, or when it ACKs)."""
         deadline = time.monotonic() + within
-        while self.status()["connected_streams"] and time.monotonic() < deadline:
-            if self.wait_acked(version, 0.05):
-                return False
-            nack = self._last_nack
+        while time.monotonic() < deadline:
+            with self._cv:
+                if not self._streams:
+                    return False
+                nack = self._last_nack
             if nack is not None and nack.get("version") == version:
                 return True
+            if self.wait_acked(version, 0.05):
+                return False
         return False
 
     def _hashes(self, resources: Resources, same: Iterable[str] = ()
