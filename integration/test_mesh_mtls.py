@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from agent.config import CAPTURE_PORT
 from agent.envoy import mtls
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
@@ -137,7 +138,7 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
     mnode.kubelet.delete(server)
     mnode.pods.remove(server)
     deadline = time.monotonic() + 10
-    # capture-, inbound- and inbound-local-<container id>
+    # capture- and inbound-<container id>
     while any(n.endswith(server.container_id) for n in mnode.listeners()):
         assert time.monotonic() < deadline, "a listener of the pod left after DEL"
         time.sleep(0.1)
@@ -469,7 +470,7 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
         raw = _mesh_get(outsider.netns, server.ip(), _mesh_client(ca, tester, "aether-mesh-tcp"),
                         "8080")
         assert raw.startswith("HTTP/1.1 200") and "x-forwarded-client-cert" not in raw, raw
-        for sni in ("15008", "15001", "15009"):  # the proxy's own ports: closed, no loop
+        for sni in ("15008", "15001"):  # the proxy's own ports: closed, no loop
             got = _mesh_get(outsider.netns, server.ip(),
                             _mesh_client(ca, f"spiffe://{TD}/ns/t/sa/tester"), sni)
             assert not got.startswith("HTTP"), (sni, got)
@@ -488,7 +489,7 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
     # every connection above is counted by caller on /metrics: the tester's four that
     # completed the handshake, and the others under "unauthenticated"
     series = {(f'caller="{tester}",identity="app/server"', 4),
-              ('caller="unauthenticated",identity="app/server"', 8)}
+              ('caller="unauthenticated",identity="app/server"', 7)}
     deadline = time.monotonic() + 10
     while True:
         _code, text = mnode.agent.http("/metrics")
@@ -506,8 +507,8 @@ def test_the_inbound_port_speaks_only_mesh_mtls_to_the_pod_itself(mnode: EnvoyNo
 def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyNode) -> None:
     """appProtocol http: the hop's ClientHello asks for aether-mesh-http and the backend gets
     XFCC straight from the TLS connection; appProtocol of another protocol: aether-mesh-tcp,
-    relayed as sent (a server-closes-first answer arrives whole). Neither crosses the pod's
-    loopback listener, which only undeclared ports use."""
+    relayed as sent (a server-closes-first answer arrives whole). Neither crosses the
+    detection listener, which only undeclared ports use."""
     _service(mnode, "web", "10.96.70.21", app_protocol="http")
     _service(mnode, "opaque", "10.96.70.22", port=7000, target=7000, app_protocol="redis")
     server, client, srv = _echo_pair(mnode, deps="app/echo,app/web,app/opaque")
@@ -515,7 +516,7 @@ def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyN
     raw = _raw_server(server.netns, payload, read_first=False)  # no wait for the client
     try:
         assert _get_ok(client.netns, "10.96.70.21")[0] == 200
-        local_before = _local_listener_connections(mnode, server)
+        detected_before = _detection_connections(mnode)
         with Sniffer(server.netns) as wire:
             status, _h, body = http_get_from(client.netns, "10.96.70.21", 80,
                                              headers={"x-forwarded-client-cert": "URI=forged"})[0]
@@ -541,7 +542,7 @@ def test_a_declared_app_protocol_picks_the_hop_and_skips_detection(mnode: EnvoyN
         assert any(b"aether-mesh-http" in h for h in hellos), "no ClientHello asking for HTTP"
         assert any(b"aether-mesh-tcp" in h for h in hellos), "no ClientHello asking for TCP"
         assert not any(b"GET /" in s.payload for s in wire.between(client.ip(), server.ip()))
-        assert _local_listener_connections(mnode, server) == local_before
+        assert _detection_connections(mnode) == detected_before
     finally:
         raw.close()
         srv.shutdown()
@@ -574,11 +575,11 @@ def _raw_server(netns: str, payload: bytes, read_first: bool) -> socket.socket:
     threading.Thread(target=serve, daemon=True).start()
     return raw
 
-def _local_listener_connections(node: EnvoyNode, pod: Pod) -> int:
-    """Connections the pod's loopback listener (undeclared ports only) has accepted."""
-    name = mtls.inbound_local_listener_name(pod.container_id)
+def _detection_connections(node: EnvoyNode) -> int:
+    """Connections the node's detection listener (undeclared ports only) has accepted."""
     stats = node.admin("/stats?filter=downstream_cx_total")
-    m = re.search(rf"listener\.{re.escape(name)}\.downstream_cx_total: (\d+)", stats)
+    m = re.search(rf"listener\.{re.escape(mtls.INBOUND_DETECT)}\.downstream_cx_total: (\d+)",
+                  stats)
     assert m, stats[:2000]
     return int(m.group(1))
 
@@ -649,54 +650,30 @@ def test_an_ipv6_service_is_mtls_too(mnode: EnvoyNode) -> None:
         srv.shutdown()
 
 
-def _proxy_v2(src: str, dst: str, dport: int, tlvs: dict[int, bytes]) -> bytes:
-    """A PROXY protocol v2 header (TCP over IPv4) with the given TLVs."""
-    import struct
-    body = (socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!HH", 40000, dport)
-            + b"".join(bytes([t]) + struct.pack("!H", len(v)) + v for t, v in tlvs.items()))
-    return b"\r\n\r\n\x00\r\nQUIT\n" + bytes([0x21, 0x11]) + struct.pack("!H", len(body)) + body
+def _listening_ports(netns: str) -> set[int]:
+    """TCP ports something listens on in ``netns`` (any address)."""
+    out = subprocess.run(["nsenter", f"--net={netns}", "ss", "-Hltn"], capture_output=True,
+                         text=True, check=True).stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
 
 
-def test_a_pod_writing_its_own_proxy_header_reaches_only_itself(mnode: EnvoyNode) -> None:
-    """A process of a mesh pod (root in its netns) talks to the proxy's loopback listener
-    directly with a forged PROXY header: another destination address, another port, a forged
-    caller. The proxy delivers only to the pod's own address: the node's server named in the
-    header sees nothing, and a forged caller reaches only the pod's own application."""
-    from agent.testing.netutil import host_server
-    from integration.conftest import GW4
-    server, _client, srv = _echo_pair(mnode)
-    host, host_port = host_server()
-    forged = b"spiffe://cluster.local/ns/app/sa/admin"
-
-    def speak(port: int) -> bytes:
-        def work() -> bytes:
-            s = socket.create_connection(("127.0.0.1", 15009), timeout=3)
-            try:
-                s.sendall(_proxy_v2(server.ip(), GW4, host_port,
-                                    {0xE0: forged, 0xE2: str(port).encode()})
-                          + b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                data = b""
-                while chunk := s.recv(65536):
-                    data += chunk
-                return data
-            except OSError as e:
-                return f"error: {e}".encode()
-            finally:
-                s.close()
-        return run_in_netns(server.netns, work)
-
+def test_a_mesh_pod_sees_only_the_capture_and_inbound_ports_of_the_proxy(
+        mnode: EnvoyNode) -> None:
+    """Undeclared ports are detected in an internal listener, which no netns can reach: the
+    only proxy sockets in a mesh pod are its capture port (loopback) and :15008, both of
+    which take nothing from the pod it could not send directly (the capture listener
+    forwards as the pod, the inbound one speaks only mTLS). A detected HTTP call still
+    gets the caller's identity."""
+    server, client, srv = _echo_pair(mnode)
     try:
-        # the header's address and port name the node's server: the proxy tries the pod's
-        # own address on that port (nothing listens there), never the node
-        toward_node = speak(host_port)
-        assert b'"pod"' not in toward_node, toward_node
-        # the pod's own app port: served, with the forged caller (the pod is talking to
-        # itself; it could send that header to its own app directly)
-        own = speak(8080)
-        assert own.startswith(b"HTTP/1.1 200") and forged in own, own[:300]
-        assert host.seen == [], host.seen
+        status, _h, body = _get_ok(client.netns, SVC_IP)
+        assert status == 200, body
+        xfcc = json.loads(body)["headers"].get("x-forwarded-client-cert", "")
+        assert xfcc == f"By=spiffe://{TD}/ns/app/sa/server;URI=spiffe://{TD}/ns/app/sa/client"
+        assert _detection_connections(mnode) >= 1
+        assert _listening_ports(server.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT, 8080}
+        assert _listening_ports(client.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT}
     finally:
-        host.close()
         srv.shutdown()
 
 

@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from agent.capture.policy import ANN_PEER_AUTH, peer_authentication
 from agent.envoy import mtls
+from agent.envoy.pieces import TRANSITIVE
 from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -241,7 +242,7 @@ def test_pods_without_an_svid_fail_closed() -> None:
     assert fmt[mtls.UPSTREAM_SAN_STATE] == f"%DYNAMIC_METADATA({mtls.AETHER_METADATA}:san)%"
 
 
-def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None:
+def test_inbound_terminates_mtls_and_hands_undeclared_ports_to_detection_with_the_ids() -> None:
     tls = mtls.MeshTls(TD, {}, "B")
     lis = mtls.build_inbound_listener("c1", "/run/netns/c1", "app/client", ("10.1.0.7", "fd00::7"),
                                       tls, forbidden_ports=(15001,))
@@ -253,7 +254,7 @@ def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None
     # every chain names its family's range (Envoy narrows on the address before the name)
     assert all(len(c.filter_chain_match.prefix_ranges) == 1 for c in lis.filter_chains)
     deny = by_name["own-ports-v4"]
-    assert sorted(deny.filter_chain_match.server_names) == ["15001", "15008", "15009"]
+    assert sorted(deny.filter_chain_match.server_names) == ["15001", "15008"]
     closing = tcp_proxy_pb2.TcpProxy()
     deny.filters[0].typed_config.Unpack(closing)
     assert closing.cluster == mtls.NO_IDENTITY_CLUSTER
@@ -264,14 +265,24 @@ def test_inbound_terminates_mtls_and_relays_over_loopback_with_the_ids() -> None
     assert down.require_client_certificate.value is True
     tcp = tcp_proxy_pb2.TcpProxy()
     chain.filters[1].typed_config.Unpack(tcp)
-    # after the handshake, to the pod's loopback, with both identities and the SNI port
-    assert tcp.cluster == "inbound-local4"
+    # after the handshake, to the node's detection listener, with both identities
+    assert tcp.cluster == mtls.INBOUND_DETECT
     assert tcp.upstream_connect_mode == tcp_proxy_pb2.ON_DOWNSTREAM_TLS_HANDSHAKE
     assert {t.type: t.format_string.text_format_source.inline_string
             for t in tcp.proxy_protocol_tlvs} == {
         mtls.PEER_ID_TLV: "%DOWNSTREAM_PEER_URI_SAN%",
-        mtls.LOCAL_ID_TLV: "%DOWNSTREAM_LOCAL_URI_SAN%",
-        mtls.PORT_TLV: "%REQUESTED_SERVER_NAME%"}
+        mtls.LOCAL_ID_TLV: "%DOWNSTREAM_LOCAL_URI_SAN%"}
+    # where to deliver crosses the internal listener as filter state: the pod's own
+    # address (v4 first), the port the caller named, the pod's netns
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    cfg = set_filter_state_pb2.Config()
+    chain.filters[0].typed_config.Unpack(cfg)
+    values = {v.object_key: v for v in cfg.on_new_connection}
+    assert values[mtls.ORIGINAL_DST_ADDRESS_STATE].format_string.text_format_source \
+        .inline_string == "10.1.0.7:%REQUESTED_SERVER_NAME%"
+    assert values[mtls.UPSTREAM_NETNS_STATE].format_string.text_format_source \
+        .inline_string == "/run/netns/c1"
+    assert {v.shared_with_upstream for v in values.values()} == {TRANSITIVE}
     assert lis.address.socket_address.network_namespace_filepath == "/run/netns/c1"
     assert lis.address.socket_address.port_value == 15008
     # the server offers every hop ALPN; the caller's one picks the chain
@@ -286,7 +297,7 @@ def _state_formats(filter_: Any) -> dict[str, str]:
             for v in cfg.on_new_connection}
 
 
-def test_declared_protocols_skip_the_loopback_hop() -> None:
+def test_declared_protocols_skip_the_detection_hop() -> None:
     from envoy.extensions.filters.network.http_connection_manager.v3 import (
         http_connection_manager_pb2 as hcm_pb2,
     )
@@ -343,20 +354,46 @@ def test_the_hop_alpn_follows_the_service_ports_app_protocol() -> None:
     assert fmt[mtls.APPLICATION_PROTOCOLS_STATE] == f"%DYNAMIC_METADATA({mtls.HOP_METADATA}:alpn)%"
 
 
-def test_inbound_local_delivers_only_to_the_pods_own_address() -> None:
-    lis = mtls.build_inbound_local_listener("c1", "/run/netns/c1", ("10.1.0.7", "fd00::7"))
-    assert lis.address.socket_address.address == "127.0.0.1"
-    assert lis.address.socket_address.port_value == mtls.INBOUND_LOCAL_PORT
-    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
-    for chain in (lis.filter_chains[0], lis.default_filter_chain):
-        cfg = set_filter_state_pb2.Config()
-        chain.filters[0].typed_config.Unpack(cfg)
-        dst = {v.object_key: v.format_string.text_format_source.inline_string
-               for v in cfg.on_new_connection}[mtls.ORIGINAL_DST_ADDRESS_STATE]
-        # the pod's own address; only the port comes from the header
-        assert dst == f"10.1.0.7:%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:port)%"
-    v6 = mtls.build_inbound_local_listener("c2", "/run/netns/c2", ("fd00::7",), ipv4=False)
-    assert v6.address.socket_address.address == "::1"
+def test_detection_is_one_internal_listener_that_delivers_where_the_inbound_side_said() -> None:
+    """Nothing per pod in it: the address, port and netns come with the connection (set by
+    the pod's inbound listener), the identities in the PROXY header; no pod can reach it."""
+    from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+    from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+    lis = mtls.build_inbound_detect_listener()
+    assert lis.name == mtls.INBOUND_DETECT
+    assert lis.HasField("internal_listener") and not lis.HasField("address")
+    assert [f.name for f in lis.listener_filters] == [
+        "envoy.filters.listener.proxy_protocol", "envoy.filters.listener.http_inspector"]
+    pp = proxy_protocol_pb2.ProxyProtocol()
+    lis.listener_filters[0].typed_config.Unpack(pp)
+    assert {r.tlv_type: r.on_tlv_present.key for r in pp.rules} == {
+        mtls.PEER_ID_TLV: "peer", mtls.LOCAL_ID_TLV: "local"}
+    (http,) = lis.filter_chains
+    assert list(http.filter_chain_match.application_protocols) == ["http/1.1", "h2c"]
+    hcm = hcm_pb2.HttpConnectionManager()
+    http.filters[0].typed_config.Unpack(hcm)
+    route = hcm.route_config.virtual_hosts[0].routes[0]
+    assert route.route.cluster == mtls.INBOUND_DELIVER_CLUSTER
+    assert route.request_headers_to_add[0].header.value == (
+        f"By=%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:local)%;"
+        f"URI=%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:peer)%")
+    assert hcm.forward_client_cert_details == hcm_pb2.HttpConnectionManager.SANITIZE
+    proxy = tcp_proxy_pb2.TcpProxy()
+    lis.default_filter_chain.filters[0].typed_config.Unpack(proxy)
+    assert proxy.cluster == mtls.INBOUND_DELIVER_CLUSTER
+    # no chain sets an address of its own: only what the inbound listener set is used
+    assert all(f.name != "envoy.filters.network.set_filter_state"
+               for c in (http, lis.default_filter_chain) for f in c.filters)
+    c = mtls.build_inbound_detect_cluster(2.0)
+    (ep,) = c.load_assignment.endpoints[0].lb_endpoints
+    assert ep.endpoint.address.envoy_internal_address.server_listener_name == mtls.INBOUND_DETECT
+    from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2
+    iu = internal_upstream_pb2.InternalUpstreamTransport()
+    c.transport_socket.typed_config.Unpack(iu)
+    assert iu.transport_socket.name == "envoy.transport_sockets.upstream_proxy_protocol"
 
 
 def test_an_svid_coming_rebuilds_only_its_identitys_pod_listeners() -> None:

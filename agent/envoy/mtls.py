@@ -15,17 +15,19 @@ Inbound (``inbound-<container id>``, bound on :15008 in every captured pod's net
     tls_inspector ─▶ TLS (the pod's SVID; a client certificate of the trust domain required)
        ALPN aether-mesh-http (appProtocol HTTP): HCM adding x-forwarded-client-cert ─┐
        ALPN aether-mesh-tcp (another appProtocol): tcp_proxy after the handshake ───┤
-       ALPN aether-mesh (none declared): tcp_proxy, once the handshake is done, over │
-          the pod's loopback with a PROXY v2 header carrying the caller's and the     │
-          pod's SPIFFE IDs and the SNI port to inbound-local-<container id>           │
-          (127.0.0.1:15009): HTTP (detected) ─▶ HCM adding XFCC; else tcp_proxy ──────┤
+       ALPN aether-mesh (none declared): tcp_proxy, once the handshake is done, to   │
+          the node's one internal listener inbound-detect, with a PROXY v2 header     │
+          carrying the caller's and the pod's SPIFFE IDs (the delivery address and    │
+          netns travel as filter state): HTTP (detected) ─▶ HCM adding XFCC; else     │
+          tcp_proxy ──────────────────────────────────────────────────────────────────┤
        ─▶ inbound-deliver (ORIGINAL_DST <pod ip>:<port>, socket in the pod's netns) ◀─┘
 
 Why the ALPN carries the protocol: the caller's proxy knows the Service port's appProtocol,
-the destination does not. A declared port skips the loopback hop and the first-byte wait;
-an undeclared one is detected after TLS, which needs the plaintext, hence the loopback
-listener. The ALPN is in the ClientHello, so the destination picks its filter chain before
-the handshake. A caller that lies about it only changes how its own bytes are parsed.
+the destination does not. A declared port skips the detection hop and the first-byte wait;
+an undeclared one is detected after TLS, which needs the plaintext (listener filters see
+the bytes before the TLS socket decrypts them), hence the second, internal, listener. The
+ALPN is in the ClientHello, so the destination picks its filter chain before the handshake.
+A caller that lies about it only changes how its own bytes are parsed.
 
 Why the port in SNI and not HTTP/2 CONNECT (HBONE's shape, tried first): Envoy 1.40 resets a
 CONNECT stream when its upstream closes first (envoyproxy/envoy#28329, #47378), so any
@@ -73,6 +75,7 @@ from google.protobuf import struct_pb2
 from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
 from agent.envoy.pieces import (
     NOT_SHARED,
+    ONCE,
     STRING_STATE_FACTORY,
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
@@ -98,21 +101,23 @@ MTLS_CLUSTER_PREFIX = "mtls|"
 # is closed (fail closed), never sent in plaintext.
 NO_IDENTITY_CLUSTER = "mtls|no-identity"
 INBOUND_LISTENER_PREFIX = "inbound-"
-# After TLS, a pod's mesh connections cross a real loopback socket in its netns (not an
-# Envoy internal listener: Envoy 1.40 can lose the tail of a response when the far side of an
-# internal connection closes first, envoyproxy/envoy#28329) to its local listener, which
-# adds XFCC to HTTP and delivers.
-INBOUND_LOCAL_PORT = 15009
-INBOUND_LOCAL_PREFIX = "inbound-local-"
-INBOUND_LOCAL_CLUSTERS = {"4": "inbound-local4", "6": "inbound-local6"}
+# After TLS, a pod's mesh connections on an undeclared port cross to this internal listener
+# (one for the node: what is per pod travels with the connection), which detects HTTP, adds
+# XFCC to it and delivers. An internal listener, not a loopback socket in each pod: no
+# socket pair and syscalls per read, nothing a pod's process can connect to, and one
+# listener fewer per pod. (A loopback socket was used while Envoy reset internal connections
+# closed with data unread; the bootstrap turns that off, see bootstrap.py.)
+INBOUND_DETECT = "inbound-detect"
 INBOUND_DELIVER_CLUSTER = "inbound-deliver"
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
 # backend SAN and server name (set in mtls-out for its upstream).
 CALLER_CLUSTER_STATE = "aether.mtls_cluster"
-# PROXY protocol TLVs from the inbound listener to inbound-local-<cid>: the caller's and the
-# pod's SPIFFE IDs and the port (PP2 custom range 0xE0-0xEF), read back into filter state.
-PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV = 0xE0, 0xE1, 0xE2
+# PROXY protocol TLVs from the inbound listener to inbound-detect: the caller's and the
+# pod's SPIFFE IDs (PP2 custom range 0xE0-0xEF), read back into filter state. They exist
+# only once the handshake is done, after the chain's filter state is set; tcp_proxy formats
+# the TLVs when it connects, which waits for the handshake.
+PEER_ID_TLV, LOCAL_ID_TLV = 0xE0, 0xE1
 PROXY_TLV_STATE = "envoy.network.proxy_protocol.tlv"
 UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
@@ -191,7 +196,7 @@ def _sds(name: str) -> secret_pb2.SdsSecretConfig:
 # The mesh hop's ALPN names what the destination does with the bytes, from the Service
 # port's appProtocol as the caller's proxy knows it: HTTP (the inbound side runs the HTTP
 # codec on the TLS connection itself and adds XFCC), opaque TCP (relayed as is), or not
-# declared (the inbound side detects HTTP after the handshake, over the pod's loopback).
+# declared (the inbound side detects HTTP after the handshake, in inbound-detect).
 MESH_ALPN = "aether-mesh"
 MESH_ALPN_HTTP = "aether-mesh-http"
 MESH_ALPN_TCP = "aether-mesh-tcp"
@@ -336,10 +341,6 @@ def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
     return f
 
 
-def inbound_local_listener_name(uid: str) -> str:
-    return f"{INBOUND_LOCAL_PREFIX}{uid}"
-
-
 def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequence[str],
                            tls: MeshTls, ipv4: bool = True, ipv6: bool = True,
                            forbidden_ports: Sequence[int] = (),
@@ -352,21 +353,20 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     * ``aether-mesh-http``: the HTTP codec on the TLS connection itself, adding
       ``x-forwarded-client-cert`` (the caller's URI SAN), delivering to ``<pod ip>:<port>``;
     * ``aether-mesh-tcp``: relayed as is to ``<pod ip>:<port>`` once the handshake is done;
-    * ``aether-mesh`` (not declared): relayed over the pod's loopback to
-      ``inbound-local-<uid>``, which detects HTTP, with both SPIFFE IDs and the port in a
-      PROXY v2 header.
+    * ``aether-mesh`` (not declared): relayed to the internal listener ``inbound-detect``,
+      which detects HTTP; both SPIFFE IDs go in a PROXY v2 header, the delivery address
+      and netns in filter state.
 
     The port is the server name. A server name that is one of the proxy's ports (a loop)
     matches a closing chain; one that is not a port is refused where it is delivered."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
-    forbidden = {str(p) for p in (tls.inbound_port, INBOUND_LOCAL_PORT, *forbidden_ports)}
+    forbidden = {str(p) for p in (tls.inbound_port, *forbidden_ports)}
     logs = [inbound_access_log()] if access_log else []
     addrs = ([("0.0.0.0", tls.inbound_port)] if ipv4 else []) + \
         ([("::", tls.inbound_port)] if ipv6 else [])
     if not addrs:
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
-    local = INBOUND_LOCAL_CLUSTERS["4" if ipv4 else "6"]
     name = inbound_listener_name(uid)
     target = _deliver_target(ips)
 
@@ -393,17 +393,17 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         return tcp
 
     def detect(family: str) -> listener_components_pb2.FilterChain:
-        state = set_filter_state(
-            state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+        # where inbound-detect delivers, crossing it (transitive): the pod's own address
+        # and netns, the port the caller named
+        state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path, TRANSITIVE)
         tcp = after_handshake()
         for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
-                              (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%"),
-                              (PORT_TLV, "%REQUESTED_SERVER_NAME%")):
+                              (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%")):
             tlv = tcp.proxy_protocol_tlvs.add(type=tlv_type)
             tlv.format_string.text_format_source.inline_string = fmt
         return listener_components_pb2.FilterChain(
             name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
-            filters=[state, tcp_proxy_filter(name, local, *logs, config=tcp)],
+            filters=[state, tcp_proxy_filter(name, INBOUND_DETECT, *logs, config=tcp)],
             transport_socket=terminate())
 
     def direct_state() -> listener_components_pb2.Filter:
@@ -462,11 +462,13 @@ def _deliver_target(ips: Sequence[str]) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
-def _deliver_state(target: str, port_fmt: str, netns_path: str) -> listener_components_pb2.Filter:
-    """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns."""
+def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ONCE
+                   ) -> listener_components_pb2.Filter:
+    """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns;
+    ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between."""
     return set_filter_state(
-        state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}"),
-        state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+        state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}", shared=shared),
+        state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared))
 
 
 def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
@@ -507,19 +509,16 @@ def _sock(ip: str, port: int, netns_path: str) -> address_pb2.Address:
         address=ip, port_value=port, network_namespace_filepath=netns_path))
 
 
-def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
-                                 ipv4: bool = True) -> listener_pb2.Listener:
-    """``inbound-local-<uid>``, on the pod's loopback: reads the PROXY v2 header the inbound
-    listener sent, detects HTTP (its requests get ``x-forwarded-client-cert: By=<pod's
-    id>;URI=<caller's id>``, any XFCC the caller sent removed first) and delivers everything
-    to ``<pod ip>:<port>`` from inside the pod's netns. The address is the pod's own, never
-    the header's: a process of the pod that writes its own header here reaches nothing it
-    could not reach directly."""
+def build_inbound_detect_listener() -> listener_pb2.Listener:
+    """``inbound-detect``, the node's internal listener for mesh connections on ports with
+    no appProtocol: reads the PROXY v2 header the inbound listener sent (both SPIFFE IDs),
+    detects HTTP (its requests get ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's
+    id>``, any XFCC the caller sent removed first) and delivers everything to the address
+    and netns the inbound listener put in filter state: the pod's own address, the port
+    the caller named. Internal: no pod can connect to it, so no pod can write the header."""
     from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
-    name = inbound_local_listener_name(uid)
-    target = _deliver_target(ips)
     pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
-    for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local"), (PORT_TLV, "port")):
+    for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local")):
         rule = pp.rules.add(tlv_type=tlv_type)
         rule.on_tlv_present.key = key
     ppf = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.proxy_protocol")
@@ -527,51 +526,42 @@ def build_inbound_local_listener(uid: str, netns_path: str, ips: Sequence[str],
     inspector = listener_components_pb2.ListenerFilter(
         name="envoy.filters.listener.http_inspector")
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
-
-    def state() -> listener_components_pb2.Filter:
-        return _deliver_state(target, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:port)%", netns_path)
-
-    hcm_filter = _deliver_hcm(name, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%",
+    hcm_filter = _deliver_hcm(INBOUND_DETECT, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%",
                               f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%")
     http_chain = listener_components_pb2.FilterChain(
-        name="http", filters=[state(), hcm_filter],
+        name="http", filters=[hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(
             application_protocols=["http/1.1", "h2c"]))
-    tcp = tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER)
     return listener_pb2.Listener(
-        name=name, stat_prefix=name,
-        address=_sock("127.0.0.1" if ipv4 else "::1", INBOUND_LOCAL_PORT, netns_path),
+        name=INBOUND_DETECT, stat_prefix=INBOUND_DETECT,
+        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
         listener_filters=[ppf, inspector],
         listener_filters_timeout=duration(DETECT_TIMEOUT_S),
         continue_on_listener_filters_timeout=True,
         filter_chains=[http_chain],
         default_filter_chain=listener_components_pb2.FilterChain(
-            name="tcp", filters=[state(), tcp]))
+            name="tcp", filters=[tcp_proxy_filter(INBOUND_DETECT, INBOUND_DELIVER_CLUSTER)]))
 
 
-def build_inbound_local_cluster(family: str, bind: address_pb2.BindConfig,
-                                connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """To the pod's local listener over its loopback (the socket opened in the pod's netns,
-    named by filter state), with a PROXY v2 header carrying the TLVs the inbound listener set."""
+def build_inbound_detect_cluster(connect_timeout_s: float) -> cluster_pb2.Cluster:
+    """To ``inbound-detect``, with a PROXY v2 header carrying the TLVs the inbound listener
+    set; the shared filter state (where to deliver) crosses with the connection."""
     from envoy.config.core.v3 import proxy_protocol_pb2
     from envoy.extensions.transport_sockets.proxy_protocol.v3 import upstream_proxy_protocol_pb2
     pp = transport_socket("envoy.transport_sockets.upstream_proxy_protocol",
-                           upstream_proxy_protocol_pb2.ProxyProtocolUpstreamTransport(
-                               config=proxy_protocol_pb2.ProxyProtocolConfig(
-                                   version=proxy_protocol_pb2.ProxyProtocolConfig.V2,
-                                   pass_through_tlvs=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs(
-                                       match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
-                                       tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV, PORT_TLV])),
-                               transport_socket=raw_buffer()))
-    name = INBOUND_LOCAL_CLUSTERS[family]
-    c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.STATIC,
-                            connect_timeout=duration(connect_timeout_s), transport_socket=pp,
-                            upstream_bind_config=bind,
-                            connection_pool_per_downstream_connection=True)
-    c.load_assignment.cluster_name = name
-    c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address.socket_address \
-        .MergeFrom(address_pb2.SocketAddress(address="127.0.0.1" if family == "4" else "::1",
-                                             port_value=INBOUND_LOCAL_PORT))
+                          upstream_proxy_protocol_pb2.ProxyProtocolUpstreamTransport(
+                              config=proxy_protocol_pb2.ProxyProtocolConfig(
+                                  version=proxy_protocol_pb2.ProxyProtocolConfig.V2,
+                                  pass_through_tlvs=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs(
+                                      match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
+                                      tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV])),
+                              transport_socket=raw_buffer()))
+    c = cluster_pb2.Cluster(name=INBOUND_DETECT, type=cluster_pb2.Cluster.STATIC,
+                            connect_timeout=duration(connect_timeout_s),
+                            transport_socket=internal_upstream(inner=pp))
+    c.load_assignment.cluster_name = INBOUND_DETECT
+    c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address \
+        .envoy_internal_address.server_listener_name = INBOUND_DETECT
     unlimited_circuit_breakers(c)
     return c
 

@@ -135,11 +135,14 @@ def raw_buffer() -> base_pb2.TransportSocket:
     return transport_socket("envoy.transport_sockets.raw_buffer", raw_buffer_pb2.RawBuffer())
 
 
-def internal_upstream(*host_metadata: str, cluster_metadata: tuple[str, ...] = ()
+def internal_upstream(*host_metadata: str, cluster_metadata: tuple[str, ...] = (),
+                      inner: base_pb2.TransportSocket | None = None
                       ) -> base_pb2.TransportSocket:
     """To an internal listener: the shared filter state crosses, and so does the named
-    metadata of the chosen host and of the cluster."""
-    iu = internal_upstream_pb2.InternalUpstreamTransport(transport_socket=raw_buffer())
+    metadata of the chosen host and of the cluster; ``inner`` wraps the bytes (raw by
+    default)."""
+    iu = internal_upstream_pb2.InternalUpstreamTransport(
+        transport_socket=inner if inner is not None else raw_buffer())
     for name in host_metadata:
         iu.passthrough_metadata.add(name=name).kind.host.SetInParent()
     for name in cluster_metadata:

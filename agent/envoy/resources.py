@@ -1256,6 +1256,8 @@ class ResourceBuilder:
         shared = dict(ns_listeners)
         if tls is not None:
             shared[mtls.MTLS_OUT_LISTENER] = self._fixed("mtls-out", mtls.build_mtls_out_listener)
+            shared[mtls.INBOUND_DETECT] = self._fixed("inbound-detect",
+                                                      mtls.build_inbound_detect_listener)
         listeners = self._listeners(shared, pods_changed)
 
         pt_key = (state.passthrough_mark, state.connect_timeout_s)
@@ -1285,9 +1287,8 @@ class ResourceBuilder:
                 ns_clusters[mtls.mtls_cluster_name(identity)] = self._fixed(
                     ("mtls", identity, tls.trust_domain, tls.inbound_port, bind_key),
                     bound(mtls.build_mtls_cluster, identity, tls))
-            for fam, name in mtls.INBOUND_LOCAL_CLUSTERS.items():
-                ns_clusters[name] = self._fixed(
-                    ("inbound-local", fam, bind_key), bound(mtls.build_inbound_local_cluster, fam))
+            ns_clusters[mtls.INBOUND_DETECT] = self._fixed(
+                ("inbound-detect", t), lambda: mtls.build_inbound_detect_cluster(t))
             ns_clusters[mtls.INBOUND_DELIVER_CLUSTER] = self._fixed(
                 ("inbound-deliver", bind_key), bound(mtls.build_inbound_deliver_cluster))
             secrets = self._secrets_for(tls)
@@ -1365,9 +1366,6 @@ class ResourceBuilder:
             entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
                 pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
                 forbidden_ports=(state.capture_port,), access_log=state.connection_log)))
-            entries.append((mtls.inbound_local_listener_name(pod.uid),
-                            mtls.build_inbound_local_listener(pod.uid, pod.netns_path, pod.ips,
-                                                              pod.ipv4)))
         self._pod_entries[pod] = tuple(entries)
         for name, lis in entries:
             self._pod_out[name] = lis

@@ -570,7 +570,7 @@ class EnvoySink:
             with self._lock:
                 named = [cid for cid in self._pods if any(
                     nack_names(f"{prefix}{cid}", detail)
-                    for prefix in ("capture-", "inbound-", "inbound-local-"))]
+                    for prefix in ("capture-", "inbound-"))]
                 for cid in named:
                     del self._pods[cid]
                     self._rejected[cid] = detail.strip()
