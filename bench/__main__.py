@@ -187,25 +187,42 @@ def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
 
 
 MTLS_MODE_LABELS = {"http": "appProtocol http (XFCC)", "tcp": "appProtocol tcp",
-                    "detect": "no appProtocol (detected, XFCC)"}
+                    "detect": "no appProtocol (detected, XFCC)",
+                    "floor-tcp": "tcp_proxy at both ends",
+                    "floor-http": "HTTP codec at both ends, XFCC"}
 
 
 def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
     for shape, label in (("keepalive", "keep-alive -c32, req/s"),
                          ("newconn", "new connection per request, req/s")):
-        modes = d["shapes"].get(shape, {}).get("modes", {})
+        # the mesh's modes, then the floor's (the JSON has them sorted by name)
+        modes = dict(sorted(d["shapes"].get(shape, {}).get("modes", {}).items(),
+                            key=lambda kv: kv[0].startswith("floor-")))
         for mode, s in modes.items():
             lo, hi = (s["spread"] + [0.0, 0.0])[:2]
             verdict = "- (a TLS handshake each)" if shape == "newconn" else "-"
             if "target" in s:
                 verdict = ("PASS" if s["target_met"] else "MISS") + f" (≥ {s['target']:g}×)"
-            out.append(("mesh_mtls", f"mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}, {label}",
+            what = (f"the floor: a plain Envoy's mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}"
+                    if mode.startswith("floor-") else
+                    f"mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}")
+            out.append(("mesh_mtls", f"{what}, {label}",
                         f"{s['mesh_rps_median']:.0f}", f"direct {s['direct_rps_median']:.0f}",
                         f"{s['rps_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
-    for mode, s in d["shapes"].get("keepalive", {}).get("modes", {}).items():
+        for mode, s in modes.items():
+            if "floor_mode" in s and s["floor_mode"] in modes:
+                lo, hi = (s["vs_floor_spread"] + [0.0, 0.0])[:2]
+                floor = modes[s["floor_mode"]]
+                out.append(("mesh_mtls", f"mTLS hop, {MTLS_MODE_LABELS.get(mode, mode)}, vs the "
+                            f"plain Envoy's hop ({MTLS_MODE_LABELS[s['floor_mode']]}), {label}",
+                            f"{s['mesh_rps_median']:.0f}", f"floor {floor['mesh_rps_median']:.0f}",
+                            f"{s['vs_floor_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", "-"))
+    for mode, s in sorted(d["shapes"].get("keepalive", {}).get("modes", {}).items(),
+                          key=lambda kv: kv[0].startswith("floor-")):
         if s.get("node_envoy_cpu_us_per_request_median"):
-            out.append(("mesh_mtls", f"node Envoy CPU per keep-alive request, both ends of the "
+            whose = "the plain Envoy's" if mode.startswith("floor-") else "node Envoy"
+            out.append(("mesh_mtls", f"{whose} CPU per keep-alive request, both ends of the "
                         f"hop, {MTLS_MODE_LABELS.get(mode, mode)}",
                         f"{s['node_envoy_cpu_us_per_request_median']:.0f} µs",
                         f"{d.get('node_envoy_workers', '?')} worker(s), "

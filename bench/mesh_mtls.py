@@ -9,16 +9,25 @@ its netns; `wrk` runs in two client pods:
   pod's inbound :15008 → delivered inside the server's netns. Three Services on the same
   backend, one per hop shape the Service port's `appProtocol` selects:
   `http` (the HTTP codec on the TLS connection adds `x-forwarded-client-cert`), `tcp` (any
-  non-HTTP value: relayed as is) and none (the inbound side detects HTTP over the pod's
-  loopback, then adds XFCC);
+  non-HTTP value: relayed as is) and none (the inbound side detects HTTP in an internal
+  listener, then adds XFCC);
 * **direct** (the baseline): a pod outside the mesh calling the server pod's address in
-  plaintext (the server is PERMISSIVE): the kernel's path with no proxy at all.
+  plaintext (the server is PERMISSIVE): the kernel's path with no proxy at all;
+* **the floor** (keep-alive only): the least an Envoy-based mTLS hop costs, so the table
+  can say how much of the gap is the mesh's and how much Envoy's. A plain Envoy, the same
+  binary with one worker like the node Envoy, holding both ends of one hop and nothing
+  else: a listener in the client pod's netns, TLS 1.3 with client certificates of the same
+  CA to a listener in the server pod's netns, delivered to the server. `floor-tcp`:
+  tcp_proxy at both ends (aether's `tcp` does the same work plus capture and its internal
+  hops); `floor-http`: the HTTP codec at both ends and XFCC on the server side (aether's
+  `http` shape; `detect` runs the codec only on the server side). The floor's upstream
+  sockets leave from the node's netns over the bridge, not from the pod's.
 
-Two shapes, each over rounds that run direct and the three mesh modes in alternating order
-(ABCD, DCBA), ratios taken within a round and the median over rounds reported with its
-spread: keep-alive at `-c32` (target ≥ 0.5× direct requests/s) and a new connection per
-request (each is a new TLS handshake on the mesh side: new TLS connections per second, no
-target). Root only; needs `wrk`. Everything is torn down on exit.
+Two shapes, each over rounds that run direct and the mesh modes (and, for keep-alive, the
+floor) in alternating order (ABCD, DCBA), ratios taken within a round and the median over
+rounds reported with its spread: keep-alive at `-c32` (target ≥ 0.5× direct requests/s) and
+a new connection per request (each is a new TLS handshake on the mesh side: new TLS
+connections per second, no target). Root only; needs `wrk`. Everything is torn down on exit.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from agent.identity.ca_dir import make_ca
+from agent.identity.ca_dir import CaDirProvider, make_ca
 from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
 from bench.envoy_common import ServerEnvoy, WrkResult, run_wrk
 
@@ -44,6 +53,12 @@ MESH_MODES: dict[str, tuple[str, str, str | None]] = {
     "detect": ("srv", "10.96.214.10", None),
 }
 SERVER_PORT = 8080
+# the floor's client-side ports (in the client pod's netns) and server-side ports (in the
+# server pod's), per shape; which aether modes each is the floor of
+FLOOR_MODES: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "floor-tcp": (15301, 15308, ("tcp",)),
+    "floor-http": (15302, 15309, ("http", "detect")),
+}
 TARGET_RPS_RATIO = 0.5
 WRK_THREADS, WRK_CONNECTIONS = 2, 32
 
@@ -69,6 +84,85 @@ def manifests(client: Pod, server: Pod, outsider: Pod) -> list[dict[str, Any]]:
         pod(server, "server", {"app": "srv"}, {}),
         pod(outsider, "default", {}, {}),
     ]
+
+
+def _tls(certs: str, who: str, downstream: bool) -> dict[str, Any]:
+    common = {
+        "tls_certificates": [{"certificate_chain": {"filename": f"{certs}/{who}.crt"},
+                              "private_key": {"filename": f"{certs}/{who}.key"}}],
+        "validation_context": {"trusted_ca": {"filename": f"{certs}/ca.crt"}},
+        "tls_params": {"tls_minimum_protocol_version": "TLSv1_3",
+                       "tls_maximum_protocol_version": "TLSv1_3"}}
+    if downstream:
+        return {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+                     "DownstreamTlsContext",
+            "require_client_certificate": True, "common_tls_context": common}}
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "sni": str(SERVER_PORT), "common_tls_context": common}}
+
+
+def _floor_filter(kind: str, cluster: str, xfcc: bool = False) -> dict[str, Any]:
+    if kind == "tcp":
+        return {"name": "envoy.filters.network.tcp_proxy", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "stat_prefix": cluster, "cluster": cluster}}
+    route: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}
+    if xfcc:
+        route["request_headers_to_add"] = [{"header": {
+            "key": "x-forwarded-client-cert",
+            "value": "By=%DOWNSTREAM_LOCAL_URI_SAN%;URI=%DOWNSTREAM_PEER_URI_SAN%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    return {"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
+                 ".v3.HttpConnectionManager",
+        "stat_prefix": cluster, "generate_request_id": False,
+        "forward_client_cert_details": "SANITIZE" if xfcc else "SANITIZE_SET",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+            "suppress_envoy_headers": True}}]}}
+
+
+def floor_bootstrap(admin: str, client_netns: str, server_netns: str, server_ip: str,
+                    certs: str) -> dict[str, Any]:
+    """Both ends of one mTLS hop per floor mode, in one plain Envoy (see the module doc)."""
+    def sock(ip: str, port: int, netns: str) -> dict[str, Any]:
+        return {"socket_address": {"address": ip, "port_value": port,
+                                   "network_namespace_filepath": netns}}
+
+    def static(name: str, port: int, tls: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"name": name, "type": "STATIC", "connect_timeout": "5s",
+                             "load_assignment": {"cluster_name": name, "endpoints": [
+                                 {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+                                     "address": server_ip, "port_value": port}}}}]}]}}
+        if tls:
+            c["transport_socket"] = _tls(certs, "client", downstream=False)
+        return c
+
+    listeners, clusters = [], [static("app", SERVER_PORT, False)]
+    for mode, (out_port, in_port, _) in FLOOR_MODES.items():
+        kind = mode.removeprefix("floor-")
+        listeners.append({"name": f"{mode}-out", "address": sock("127.0.0.1", out_port, client_netns),
+                          "filter_chains": [{"filters": [_floor_filter(kind, f"{mode}-hop")]}]})
+        listeners.append({"name": f"{mode}-in", "address": sock("0.0.0.0", in_port, server_netns),
+                          "filter_chains": [{
+                              "filters": [_floor_filter(kind, "app", xfcc=True)],
+                              "transport_socket": _tls(certs, "server", downstream=True)}]})
+        clusters.append(static(f"{mode}-hop", in_port, True))
+    return {"admin": {"address": {"pipe": {"path": admin, "mode": 0o600}}},
+            "static_resources": {"listeners": listeners, "clusters": clusters}}
+
+
+def _floor_certs(ca: str) -> None:
+    """The floor's two certificates, from the mesh CA, for the same SPIFFE IDs."""
+    provider = CaDirProvider(ca)
+    for who in ("client", "server"):
+        svid = provider.issue(f"spiffe://cluster.local/ns/{NS}/sa/{who}", time.time())
+        for ext, pem in (("crt", svid.cert_chain_pem), ("key", svid.key_pem)):
+            with open(os.path.join(ca, f"{who}.{ext}"), "w") as f:
+                f.write(pem)
 
 
 def _wait(pred: Any, timeout: float, what: str) -> None:
@@ -118,6 +212,7 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     agent.write("bench.yaml", manifests(client, server, outsider))
     pods: list[Pod] = []
     srv: ServerEnvoy | None = None
+    floor: ServerEnvoy | None = None
     try:
         progress("[mtls] starting the agent with --identity-ca-dir …")
         agent.start()
@@ -126,8 +221,13 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
             pods.append(p)
         srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
         srv.start()
+        _floor_certs(ca)
+        floor = ServerEnvoy(workdir, name="floor-envoy", bootstrap=lambda admin: floor_bootstrap(
+            admin, client.netns, server.netns, server.ip(), ca))
+        floor.start()
         direct_url = f"http://{server.ip()}:{SERVER_PORT}/"
         urls = {m: f"http://{ip}:80/" for m, (_, ip, _) in MESH_MODES.items()}
+        urls.update({m: f"http://127.0.0.1:{out}/" for m, (out, _, _) in FLOOR_MODES.items()})
         for m, url in urls.items():
             _wait(lambda url=url: run_wrk(client.netns_name, url, 1, 1, 1).non_2xx == 0
                   and run_wrk(client.netns_name, url, 1, 1, 1).requests > 0, 60,
@@ -138,8 +238,10 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         out: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "shapes": {}}
         envoy = psutil.Process(int(agent.status()["envoy"]["pid"]))
         out["node_envoy_workers"] = _workers(envoy)
-        modes = ["direct", *MESH_MODES]
+        assert floor.proc is not None
+        floor_proc = psutil.Process(floor.proc.pid)  # `ip netns exec` is not in front: no netns
         for shape in ("keepalive", "newconn"):
+            modes = ["direct", *MESH_MODES, *(FLOOR_MODES if shape == "keepalive" else ())]
             runs: list[dict[str, Any]] = []
             for r in range(rounds):
                 order = modes if r % 2 == 0 else modes[::-1]
@@ -147,23 +249,24 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                     progress(f"[mtls] wrk {shape} round {r + 1}/{rounds}: {mode} "
                              f"({i}/{len(order)}, {duration:g} s) …")
                     pod, url = (outsider, direct_url) if mode == "direct" else (client, urls[mode])
-                    cpu0 = _cpu_s(envoy)
+                    proxy = floor_proc if mode in FLOOR_MODES else envoy
+                    cpu0 = _cpu_s(proxy)
                     w: WrkResult = run_wrk(pod.netns_name, url, duration, WRK_THREADS,
                                            WRK_CONNECTIONS, new_connection=shape == "newconn")
-                    cpu = _cpu_s(envoy) - cpu0
+                    cpu = _cpu_s(proxy) - cpu0
                     runs.append({"round": r, "mode": mode, **w.to_json(),
                                  "node_envoy_cpu_s": round(cpu, 3),
                                  "node_envoy_cpu_us_per_request":
                                      round(cpu * 1e6 / w.requests, 1) if w.requests else None})
             direct = {x["round"]: x for x in runs if x["mode"] == "direct"}
             per_mode: dict[str, Any] = {}
-            for mode in MESH_MODES:
+            for mode in [m for m in modes if m != "direct"]:
                 mesh = [x for x in runs if x["mode"] == mode]
                 ratios = sorted(m["rps"] / direct[m["round"]]["rps"] for m in mesh
                                 if direct[m["round"]]["rps"] > 0)
                 errors = sum(x["socket_errors"] + x["non_2xx"] for x in mesh)
                 row = {
-                    "app_protocol": MESH_MODES[mode][2],
+                    "app_protocol": MESH_MODES[mode][2] if mode in MESH_MODES else None,
                     "rps_ratios": [round(x, 3) for x in ratios],
                     "rps_ratio_median": round(statistics.median(ratios), 3) if ratios else 0.0,
                     "spread": _spread(ratios),
@@ -180,14 +283,26 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
                     "node_envoy_cpu_share_median": round(statistics.median(
                         [m["node_envoy_cpu_s"] / duration for m in mesh]), 2),
                 }
-                if shape == "keepalive":
+                floor_of = [f for f, (_, _, of) in FLOOR_MODES.items() if mode in of]
+                if floor_of and floor_of[0] in modes:
+                    # aether against the plain Envoy doing the same hop, within each round
+                    by_round = {x["round"]: x["rps"] for x in runs if x["mode"] == floor_of[0]}
+                    vs = sorted(m["rps"] / by_round[m["round"]] for m in mesh
+                                if by_round.get(m["round"]))
+                    row["floor_mode"] = floor_of[0]
+                    row["vs_floor_ratios"] = [round(x, 3) for x in vs]
+                    row["vs_floor_median"] = round(statistics.median(vs), 3) if vs else 0.0
+                    row["vs_floor_spread"] = _spread(vs)
+                if shape == "keepalive" and mode in MESH_MODES:
                     row["target"] = TARGET_RPS_RATIO
                     row["target_met"] = (row["rps_ratio_median"] >= TARGET_RPS_RATIO
                                          and errors == 0)
                 per_mode[mode] = row
-                print(f"{shape} {mode}: mesh {row['mesh_rps_median']:.0f} req/s vs direct "
+                vs_floor = (f"; {row['vs_floor_median']:.2f}× its floor {row['floor_mode']} "
+                            f"(spread {row['vs_floor_spread']})" if "floor_mode" in row else "")
+                print(f"{shape} {mode}: {row['mesh_rps_median']:.0f} req/s vs direct "
                       f"{row['direct_rps_median']:.0f}: {row['rps_ratio_median']:.2f}× "
-                      f"(spread {row['spread']}), mesh errors {errors}; node Envoy "
+                      f"(spread {row['spread']}){vs_floor}, errors {errors}; its Envoy "
                       f"{row['node_envoy_cpu_us_per_request_median']:.0f} µs CPU/request, "
                       f"{row['node_envoy_cpu_share_median']:.2f} CPUs busy", flush=True)
             out["shapes"][shape] = {"runs": runs, "modes": per_mode}
@@ -195,6 +310,8 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         out["svids"] = [r["identity"] for r in st["envoy"]["identity"]["svids"]]
         return out
     finally:
+        if floor is not None:
+            floor.stop()
         if srv is not None:
             srv.stop()
         teardown_node(kubelet, pods, agent, bridge, workdir)
