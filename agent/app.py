@@ -492,7 +492,8 @@ class Agent:
             except DATAPLANE_ERRORS as e:
                 self._note(f"{pod.key}: re-programming failed: {e}")
             try:
-                self.sink.add_pod(pod)
+                restore = getattr(self.sink, "restore_pod", self.sink.add_pod)
+                restore(pod)
             except Exception as e:  # noqa: BLE001
                 self._note(f"{pod.key}: listener not restored: {e}")
         log.info("reconciled %d captured pods", len(self.store.all()))

@@ -660,7 +660,7 @@ def test_callers_moving_to_their_own_listener_lose_no_connection(g: GammaNode) -
     connections from that namespace all the while, to the route's target and to a Service
     without routes, all answer; so does a kept-alive connection opened before the route
     came, and one opened while it was there, after it has gone (no listener either crossed
-    was removed)."""
+    was removed), and again after the agent restarts with its Envoy adopted."""
     import http.client
     import threading
 
@@ -726,6 +726,21 @@ def test_callers_moving_to_their_own_listener_lose_no_connection(g: GammaNode) -
                    "t-move", client="consumer/client", samples=3)
         time.sleep(3.0)  # past Envoy's drain time (--drain-time-s 2)
         assert mesh_listeners(own) == own  # kept while the namespace has pods
+        assert ask_kept() == [200, 200]
+        # the agent dies and a new one adopts its Envoy: it learns from Envoy which listener
+        # each namespace's cluster reaches and keeps the namespace's own one (a builder
+        # starting blank would drop it: the namespace has no consumer route any more)
+        pid = g.node.envoy_pid()
+        assert g.agent.proc is not None
+        g.agent.proc.kill()
+        g.agent.proc.wait()
+        g.agent.start()
+        assert g.node.envoy_pid() == pid  # adopted
+        assert "adopted envoy holds" in g.agent.logs()
+        g.converge(lambda a: a.pod == V1 and a.route_mark is None, "the new agent serves",
+                   "t-move", client="consumer/client", samples=3)
+        time.sleep(3.0)  # past the drain time of any listener the new agent removed
+        assert mesh_listeners(own) == own
         assert ask_kept() == [200, 200]
     finally:
         stop.set()

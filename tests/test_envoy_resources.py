@@ -707,3 +707,65 @@ def test_session_persistence_puts_envoys_stateful_session_before_the_router() ->
     assert (state.cookie.name, state.cookie.ttl.seconds, state.cookie.path) == ("shop", 3600, "/")
     assert not no_match.typed_per_filter_config
     assert not cfg.strict  # a stale session falls back to the load balancer
+
+
+def test_a_seeded_builder_keeps_what_the_adopted_envoy_has() -> None:
+    """A restarted agent's builder told what its adopted Envoy holds: a namespace whose
+    cluster reaches its own listener keeps it (routes gone or not: it carries
+    connections), and a namespace that now wants its own listener keeps reaching the
+    shared one until a build has offered the new listener."""
+    from agent.envoy.adopted import listener_names, namespace_reach
+
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"),
+            PodListener("p3", "/n/3", namespace="c"))
+    state = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))),
+                         gamma=_consumer_gamma("b"))
+    clusters = {"configs": [
+        {"cluster": {"name": f"mesh-{ns}", "load_assignment": {"endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"envoy_internal_address": {
+                "server_listener_name": target}}}}]}]}}}
+        for ns, target in (("a", "mesh-a"), ("b", "mesh"), ("c", "mesh"))]}
+    listeners = {"configs": [{"name": n, "active_state": {}} for n in ("mesh", "mesh-a")]}
+    fresh = ResourceBuilder().build(state)
+    assert "mesh-a" not in fresh[LISTENER_TYPE]  # unseeded: a's own listener would go
+    assert _reaches(fresh[CLUSTER_TYPE], "b") == "mesh-b"  # ... and b move with its listener
+    b = ResourceBuilder()
+    b.seed(namespace_reach(clusters), listener_names(listeners))
+    res = b.build(state)
+    assert {"mesh", "mesh-a", "mesh-b"} <= set(res[LISTENER_TYPE])
+    assert _reaches(res[CLUSTER_TYPE], "a") == "mesh-a"
+    assert _reaches(res[CLUSTER_TYPE], "b") == "mesh"
+    assert _reaches(res[CLUSTER_TYPE], "c") == "mesh"
+    assert b.pending_switch
+    again = b.build(state)
+    assert _reaches(again[CLUSTER_TYPE], "b") == "mesh-b" and not b.pending_switch
+    assert "mesh-a" in again[LISTENER_TYPE]
+    # a listener Envoy already has is moved to at once
+    has_b = ResourceBuilder()
+    has_b.seed(namespace_reach(clusters), listener_names(
+        {"configs": [{"name": n, "active_state": {}} for n in ("mesh", "mesh-a", "mesh-b")]}))
+    assert _reaches(has_b.build(state)[CLUSTER_TYPE], "b") == "mesh-b"
+    assert not has_b.pending_switch
+
+
+def test_the_adopted_envoys_dump_is_read_for_namespace_clusters_only() -> None:
+    from agent.envoy.adopted import listener_names, namespace_reach
+    dump = {"configs": [
+        {"cluster": {"name": "mesh-a", "load_assignment": {"endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"envoy_internal_address": {
+                "server_listener_name": "mesh"}}}}]}]}}},
+        {"cluster": {"name": "svc|mesh|web|80"}},  # not a namespace cluster
+        {"cluster": {"name": "mesh-x", "load_assignment": {}}},  # no internal endpoint
+    ]}
+    assert namespace_reach(dump) == {"a": "mesh"}
+    assert listener_names({"configs": [{"name": "mesh", "active_state": {}},
+                                       {"name": "mesh-w", "warming_state": {}}]}) == ["mesh"]
+    assert namespace_reach({}) == {} and listener_names({}) == []
+    # Envoy's admin matches name_regex against the whole name
+    import re
+
+    from agent.envoy import adopted
+    assert [n for n in ("mesh-a", "mesh", "mtls|a|b", "svc|mesh-a|x|80")
+            if re.fullmatch(adopted.CLUSTERS_REGEX, n)] == ["mesh-a"]
+    assert [n for n in ("mesh-a", "mesh", "mtls-out", "capture-x", "meshy")
+            if re.fullmatch(adopted.LISTENERS_REGEX, n)] == ["mesh-a", "mesh"]

@@ -557,3 +557,98 @@ def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> N
     finally:
         stop.set()
         worker.join(5)
+
+
+def test_a_move_built_with_no_envoy_connected_waits_for_the_ack_of_its_listener(
+        tmp_path: Path) -> None:
+    """An agent starting (its adopted Envoy not reconnected yet) builds a namespace's move
+    to a listener new in that build: the snapshot the Envoy will fetch carries the listener
+    with the cluster still where it was, and the cluster moves once that Envoy has ACKed
+    the listener."""
+    from dataclasses import replace
+
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
+    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+
+    server = XdsServer(str(tmp_path / "xds.sock"))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    server.set_state(base)
+    server.set_state(replace(base, gamma=_consumer_gamma("b")))
+    assert "mesh-b" in server._snap.resources[LISTENER_TYPE]
+    assert _reaches(server._snap.resources[CLUSTER_TYPE], "b") == "mesh"
+    version = server._snap.version
+    st = server._register(True, "test")
+    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
+        server._on_request(st, t, "", "node", None, {},
+                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    assert server._snap.version == version  # nothing more until the listener is ACKed
+    deadline = time.monotonic() + 5
+    while _reaches(server._snap.resources[CLUSTER_TYPE], "b") != "mesh-b":
+        assert time.monotonic() < deadline, "the cluster never moved after the ACK"
+        try:
+            resp = st.out.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if resp is not None:  # ACK it, as Envoy would
+            server._on_request(st, resp.type_url, resp.nonce, "", None, None,
+                               discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url))
+    assert server._snap.version > version
+
+
+def test_a_deferred_move_is_dropped_when_a_later_state_came_first(tmp_path: Path) -> None:
+    """The deferred move is built from the state it was deferred with: once another
+    ``set_state`` has gone out, that older state must never be published again."""
+    from dataclasses import replace
+
+    from agent.envoy.resources import PodListener
+    from tests.test_envoy_resources import _consumer_gamma, _view
+
+    server = XdsServer(str(tmp_path / "xds.sock"))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    server.set_state(base)
+    server.set_state(replace(base, gamma=_consumer_gamma("b")))
+    deferred = server._deferred
+    assert deferred is not None
+    newer = replace(base, gamma=_consumer_gamma("b"),
+                    pods=(*pods, PodListener("p3", "/n/3", namespace="a")))
+    server.set_state(newer)
+    version = server._snap.version
+    server._finish_move(deferred)  # what a late ACK would have started
+    assert server._snap.version == version
+    assert PodListener("p3", "/n/3", namespace="a").listener_name in \
+        server._snap.resources[LISTENER_TYPE]
+
+
+def test_a_held_server_sends_nothing_until_released(tmp_path: Path) -> None:
+    """An adopted Envoy reconnecting to a restarted agent gets nothing while the agent is
+    still loading (``hold``): what it has keeps serving. At ``release`` it gets the state
+    of that moment, in xDS order, and a move built meanwhile waits for that listener's
+    ACK."""
+    from dataclasses import replace
+
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
+    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+
+    server = XdsServer(str(tmp_path / "xds.sock"))
+    server.hold()
+    st = server._register(True, "test")
+    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
+        server._on_request(st, t, "", "node", None, {},
+                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    v1 = server.set_state(base)
+    server.set_state(replace(base, gamma=_consumer_gamma("b")))
+    assert st.out.empty()
+    assert not server.wait_acked(v1, 0.05)
+    assert _reaches(server._snap.resources[CLUSTER_TYPE], "b") == "mesh"  # deferred
+    server.release()
+    sent = []
+    while not st.out.empty():
+        resp = st.out.get_nowait()
+        sent.append(resp.type_url)
+    assert sent == [CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE]
+    server.release()  # a second release sends nothing more
+    assert st.out.empty()

@@ -45,7 +45,7 @@ import ipaddress
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias
@@ -1179,6 +1179,25 @@ class ResourceBuilder:
                             if s is not None and (t, p) in varying)
         self._own = (tables, own)
         return own
+
+    def seed(self, reach: Mapping[str, str], listeners: Iterable[str]) -> None:
+        """What an Envoy this builder did not build holds (an agent restarted, Envoy adopted):
+        ``reach``, each caller namespace's cluster's internal listener (``mesh`` or
+        ``mesh-<ns>``, from ``adopted.namespace_reach``), and the internal listeners it
+        has. The first build then moves no cluster to a listener Envoy lacks and keeps
+        every namespace's own listener it finds (removing one closes the connections it
+        carries), exactly as if this builder had made them."""
+        def key(listener: str) -> str | None:
+            if listener == SHARED_MESH_LISTENER:
+                return SHARED_CALLERS
+            if listener.startswith(NAMESPACE_LISTENER_PREFIX):
+                return listener.removeprefix(NAMESPACE_LISTENER_PREFIX)
+            return None
+
+        self._reach = {ns: k for ns, lis in reach.items()
+                       if (k := key(lis)) in (SHARED_CALLERS, ns)}
+        self._sticky = frozenset(ns for ns, k in self._reach.items() if k == ns)
+        self._emitted = frozenset(k for lis in listeners if (k := key(lis)) is not None)
 
     def hold_moves(self) -> None:
         """Envoy refused the push that carried the listeners clusters were about to move

@@ -7,6 +7,7 @@ adopted (its pid is recorded in the run dir) so an agent restart never drops liv
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,9 @@ NETNS_CONFIRM_SAMPLES = 5
 NETNS_CONFIRM_INTERVAL_S = 0.05
 # How long a shared listener publish holds the next one while it waits for Envoy's answer
 PIPELINE_WAIT_S = 1.0
+# How long an adopted Envoy is sent nothing while the restarted agent loads its Services
+# (the mesh sources' own sync bound is 30 s; then they publish what they know)
+ADOPTED_HOLD_MAX_S = 60.0
 
 
 class ListenerNotConfirmed(Exception):
@@ -178,9 +182,16 @@ class EnvoySink:
     def start(self) -> None:
         self.supervisor.check_version()
         self.xds.start()
+        old = self._previous_envoy()
+        if old is not None:
+            self._seed_from_adopted()
+            # the adopted Envoy holds the previous agent's full config: it is sent nothing
+            # until this agent's Services are in (the first ``set_services``), or a bound
+            self.xds.hold()
+            threading.Thread(target=self._release_after, args=(ADOPTED_HOLD_MAX_S,),
+                             name="xds-hold", daemon=True).start()
         self._publish()  # an empty (or restored) snapshot so Envoy's first fetch completes
         self.tailer.start()
-        old = self._previous_envoy()
         if old is not None:
             log.info("adopting envoy pid=%d left running by the previous agent", old.pid)
             self._adopted = old
@@ -313,6 +324,32 @@ class EnvoySink:
         except (OSError, ValueError, psutil.Error):
             pass
         return None
+
+    def _seed_from_adopted(self) -> None:
+        """Tell the builder which internal listener each namespace's cluster reaches in the
+        Envoy about to be adopted, and which it has (``agent.envoy.adopted``). Best effort:
+        an Envoy that does not answer is rebuilt as if new (its first push may then move a
+        cluster and add its listener together)."""
+        from agent.envoy import adopted
+        from agent.envoy.supervisor import admin_request
+
+        def dump(path: str) -> dict[str, Any]:
+            code, body = admin_request(self.admin, "GET", path, timeout=10.0)
+            if code != 200:
+                raise RuntimeError(f"{path}: HTTP {code}: {body[:200]}")
+            got = json.loads(body or "{}")
+            return got if isinstance(got, dict) else {}
+
+        try:
+            reach = adopted.namespace_reach(dump(adopted.CLUSTERS_PATH))
+            names = adopted.listener_names(dump(adopted.LISTENERS_PATH))
+        except Exception as e:  # noqa: BLE001 - an unreadable Envoy is handled as a new one
+            log.warning("could not read the adopted envoy's internal listeners (%s); its first "
+                        "push is built as for a new envoy", e)
+            return
+        self.xds.seed(reach, names)
+        log.info("adopted envoy holds %d namespace cluster(s) and internal listener(s) %s",
+                 len(reach), ", ".join(names) or "none")
 
     def _watch_adopted(self) -> None:
         """Supervise an adopted Envoy by polling; when it dies, start our own."""
@@ -478,7 +515,18 @@ class EnvoySink:
                     f"(envoy pid {self.pid or 'none'}, xDS streams "
                     f"{self.xds.status().get('connected_streams')})")
 
-    def add_pod(self, pod: CapturedPod) -> None:
+    def restore_pod(self, pod: CapturedPod) -> None:
+        """A pod recorded by the previous agent, at start: as ``add_pod``, but while an
+        adopted Envoy is held (``XdsServer.hold``) its ACK is not awaited: that Envoy serves
+        the recorded listener already, and gets this agent's version at release. Waiting
+        would hold the agent's start (the Services load after the pods are restored) for
+        an ACK that cannot come before it."""
+        if not self.xds.held:
+            self.add_pod(pod)
+            return
+        self.add_pod(pod, confirm=False)
+
+    def add_pod(self, pod: CapturedPod, confirm: bool = True) -> None:
         started = time.monotonic()
         try:
             listener = pod_listener(pod, self.traffic_source_pods)
@@ -489,6 +537,8 @@ class EnvoySink:
             self.identity.attach(listener.identity, pod.key)
         version, pushed = self._publish_shared(pod.container_id, listener,
                                                started + self.ack_timeout)
+        if not confirm:
+            return
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id,
                       started, pushed)
 
@@ -591,7 +641,18 @@ class EnvoySink:
             self._services = tuple(views)  # the builder compares views by identity
             self._gamma = gamma
             self._learnable = learnable
-            return self._publish()
+            version = self._publish()
+        if self.xds.held:
+            self.xds.release()
+        return version
+
+    def _release_after(self, seconds: float) -> None:
+        """The hold's bound: an agent whose Services never come (a source that never
+        syncs) still serves its adopted Envoy, with what it knows."""
+        if self._stopping.wait(seconds) or not self.xds.held:
+            return
+        log.warning("no Services after %.0fs; sending the adopted envoy what is known", seconds)
+        self.xds.release()
 
     def set_access_callback(self, cb: Callable[[str, int], None] | None) -> None:
         """Passthrough connections (the gRPC access log) feed dependency learning. Runs on a

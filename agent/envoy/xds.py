@@ -24,7 +24,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +130,15 @@ class XdsServer:
         # told (type_url, Envoy's error message) of every NACK, on a thread of its own
         self.on_nack: Callable[[str, str], None] | None = None
         self._server: grpc.Server | None = None
+        # a namespace cluster's move built while no Envoy was connected (an agent starting,
+        # its adopted Envoy reconnecting): (the state, its extra listeners, the version
+        # whose listeners must be ACKed first, the set_state count then)
+        self._deferred: tuple[NodeXdsState, tuple[Message, ...], int, int] | None = None
+        self._set_calls = 0
+        # ``hold``: nothing is sent until ``release`` (an adopted Envoy must not be handed a
+        # config built before the agent knows its Services); stream -> types it is owed
+        self._gated = False
+        self._owed: dict[int, set[str]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -192,6 +201,9 @@ class XdsServer:
         # stream lock, so ACKs keep flowing while a large snapshot is built and hashed.
         extra_listeners = tuple(extra_listeners)  # may be read twice below
         with self._publish_lock:
+            self._set_calls += 1
+            with self._cv:
+                self._deferred = None  # this build carries any move still waiting
             for _ in range(2):
                 res = self._builder.build(state)
                 if extra_listeners:
@@ -208,10 +220,23 @@ class XdsServer:
                 # Envoy refuses that LDS (the cluster would reach a listener it lacks)
                 if not self._builder.pending_switch:
                     break
+                with self._cv:
+                    # no Envoy to hand the listener to first (none connected, or held): the
+                    # move waits for the first ACK of this version's listeners (built
+                    # again then, see ``_ack``)
+                    if not self._streams or self._gated:
+                        self._deferred = (state, extra_listeners, int(version),
+                                          self._set_calls)
+                        break
                 if self._refused(version, MOVE_NACK_WAIT_S):
                     self._builder.hold_moves()
                     break
             return version
+
+    def seed(self, reach: Mapping[str, str], listeners: Iterable[str]) -> None:
+        """What an adopted Envoy holds, before the first build (``ResourceBuilder.seed``)."""
+        with self._publish_lock:
+            self._builder.seed(reach, listeners)
 
     def _refused(self, version: str, within: float) -> bool:
         """Whether a connected Envoy NACKs ``version`` within ``within`` seconds (False at
@@ -302,6 +327,25 @@ class XdsServer:
         st.acked[t] = max(v, st.acked.get(t, -1))
         if v > self._acked.get(t, -1):
             self._acked[t] = v
+        deferred = self._deferred
+        if deferred is not None and t == LISTENER_TYPE and v >= deferred[2]:
+            self._deferred = None
+            threading.Thread(target=self._finish_move, args=(deferred,), name="xds-move",
+                             daemon=True).start()
+
+    def _finish_move(self, deferred: tuple[NodeXdsState, tuple[Message, ...], int, int]
+                     ) -> None:
+        """The deferred move, once Envoy holds the listeners: built again from the same
+        state, unless a later ``set_state`` came first (it carried the move itself, and
+        this state is older than what Envoy has)."""
+        state, extra, _version, calls = deferred
+        with self._publish_lock:
+            if self._set_calls != calls:
+                return
+            try:
+                self.set_state(state, extra)
+            except Exception:  # noqa: BLE001 - a thread of its own; the next publish retries
+                self.log.exception("building the deferred listener move failed")
 
     def wait_acked(self, version: str, timeout: float) -> bool:
         """True once some Envoy has ACKed every type at least at the version it had in
@@ -368,9 +412,42 @@ class XdsServer:
             st.out.put(None)
             self._cv.notify_all()
 
+    def hold(self) -> None:
+        """Send nothing to any Envoy until ``release``: an adopted Envoy keeps serving what
+        it has meanwhile. A restarted agent's first states hold its recorded pods but not
+        yet its Services; pushed, they would take the Service chains out of the internal
+        listeners, and Envoy closes the connections of a removed chain."""
+        with self._cv:
+            self._gated = True
+
+    def release(self) -> None:
+        """Send every stream what it was owed while held, in xDS order."""
+        with self._cv:
+            if not self._gated:
+                return
+            self._gated = False
+            owed, self._owed = self._owed, {}
+            for sid, types in owed.items():
+                st = self._streams.get(sid)
+                if st is None:
+                    continue
+                for t in TYPE_ORDER:
+                    if t in types and not self._push(st, t, force=not st.delta):
+                        self._in_sync(st, t, self._snap.version)
+            self._cv.notify_all()
+        self.log.info("xDS released: Envoy is sent the agent's state")
+
+    @property
+    def held(self) -> bool:
+        return self._gated
+
     def _push(self, st: _Stream, type_url: str, force: bool = False) -> bool:
         """Queue the current snapshot of ``type_url`` (the subscribed part) for ``st``;
-        False if the stream already holds it. Caller holds the lock."""
+        False if the stream already holds it. Caller holds the lock. While held, it is
+        only noted as owed (True: not in sync yet)."""
+        if self._gated:
+            self._owed.setdefault(st.sid, set()).add(type_url)
+            return True
         snap = self._snap
         nonce = uuid.uuid4().hex
         resp: Message
