@@ -475,6 +475,24 @@ def test_als_stream_calls_back(tmp_path: Path) -> None:
         s.stop(0.1)
 
 
+
+def _subscribed(server: XdsServer) -> Any:
+    """A delta stream subscribed to CDS, EDS and LDS, as a connecting Envoy's."""
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE
+    st = server._register(True, "test")
+    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
+        server._on_request(st, t, "", "node", None, {},
+                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    return st
+
+
+def _two_namespaces() -> tuple[tuple[Any, ...], NodeXdsState]:
+    """Pods in namespaces a and b, two Services: the moves' tests' starting state."""
+    from agent.envoy.resources import PodListener
+    from tests.test_envoy_resources import _view
+    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
+    return pods, NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+
 def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path: Path
                                                                          ) -> None:
     """A consumer route appearing in a namespace gives it an internal listener of its own;
@@ -482,16 +500,12 @@ def test_a_namespace_moving_to_its_own_listener_gets_the_listener_first(tmp_path
     (CDS), so no connection meets a cluster reaching a listener Envoy does not have yet."""
     from dataclasses import replace
 
-    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+    from agent.envoy.resources import CLUSTER_TYPE
+    from tests.test_envoy_resources import _consumer_gamma, _reaches
 
     server = XdsServer(str(tmp_path / "xds.sock"))
-    st = server._register(True, "test")
-    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
-        server._on_request(st, t, "", "node", None, {},
-                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
-    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
-    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    st = _subscribed(server)
+    pods, base = _two_namespaces()
     server.set_state(base)
 
     def drain() -> list[Any]:
@@ -518,14 +532,11 @@ def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> N
 
     from google.rpc import status_pb2
 
-    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+    from agent.envoy.resources import CLUSTER_TYPE
+    from tests.test_envoy_resources import _consumer_gamma, _reaches
 
     server = XdsServer(str(tmp_path / "xds.sock"))
-    st = server._register(True, "test")
-    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
-        server._on_request(st, t, "", "node", None, {},
-                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    st = _subscribed(server)
     stop = threading.Event()
 
     def envoy() -> None:
@@ -546,9 +557,7 @@ def test_a_nacked_listener_keeps_the_namespace_where_it_was(tmp_path: Path) -> N
     worker = threading.Thread(target=envoy, daemon=True)
     worker.start()
     try:
-        pods = (PodListener("p1", "/n/1", namespace="a"),
-                PodListener("p2", "/n/2", namespace="b"))
-        base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+        pods, base = _two_namespaces()
         server.set_state(base)
         time.sleep(0.3)  # the fake Envoy ACKs it
         server.set_state(replace(base, gamma=_consumer_gamma("b")))
@@ -567,21 +576,17 @@ def test_a_move_built_with_no_envoy_connected_waits_for_the_ack_of_its_listener(
     the listener."""
     from dataclasses import replace
 
-    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+    from agent.envoy.resources import CLUSTER_TYPE
+    from tests.test_envoy_resources import _consumer_gamma, _reaches
 
     server = XdsServer(str(tmp_path / "xds.sock"))
-    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
-    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    pods, base = _two_namespaces()
     server.set_state(base)
     server.set_state(replace(base, gamma=_consumer_gamma("b")))
     assert "mesh-b" in server._snap.resources[LISTENER_TYPE]
     assert _reaches(server._snap.resources[CLUSTER_TYPE], "b") == "mesh"
     version = server._snap.version
-    st = server._register(True, "test")
-    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
-        server._on_request(st, t, "", "node", None, {},
-                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
+    st = _subscribed(server)
     assert server._snap.version == version  # nothing more until the listener is ACKed
     deadline = time.monotonic() + 5
     while _reaches(server._snap.resources[CLUSTER_TYPE], "b") != "mesh-b":
@@ -602,11 +607,10 @@ def test_a_deferred_move_is_dropped_when_a_later_state_came_first(tmp_path: Path
     from dataclasses import replace
 
     from agent.envoy.resources import PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _view
+    from tests.test_envoy_resources import _consumer_gamma
 
     server = XdsServer(str(tmp_path / "xds.sock"))
-    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
-    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    pods, base = _two_namespaces()
     server.set_state(base)
     server.set_state(replace(base, gamma=_consumer_gamma("b")))
     deferred = server._deferred
@@ -628,17 +632,13 @@ def test_a_held_server_sends_nothing_until_released(tmp_path: Path) -> None:
     ACK."""
     from dataclasses import replace
 
-    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE, PodListener
-    from tests.test_envoy_resources import _consumer_gamma, _reaches, _view
+    from agent.envoy.resources import CLUSTER_TYPE, ENDPOINT_TYPE
+    from tests.test_envoy_resources import _consumer_gamma, _reaches
 
     server = XdsServer(str(tmp_path / "xds.sock"))
     server.hold()
-    st = server._register(True, "test")
-    for t in (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE):
-        server._on_request(st, t, "", "node", None, {},
-                           discovery_pb2.DeltaDiscoveryRequest(type_url=t))
-    pods = (PodListener("p1", "/n/1", namespace="a"), PodListener("p2", "/n/2", namespace="b"))
-    base = NodeXdsState(pods=pods, services=(_view(), _view("db", ips=("10.96.0.20",))))
+    st = _subscribed(server)
+    pods, base = _two_namespaces()
     v1 = server.set_state(base)
     server.set_state(replace(base, gamma=_consumer_gamma("b")))
     assert st.out.empty()
