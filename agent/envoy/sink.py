@@ -181,13 +181,15 @@ class EnvoySink:
 
     def start(self) -> None:
         self.supervisor.check_version()
-        self.xds.start()
         old = self._previous_envoy()
         if old is not None:
-            self._seed_from_adopted()
             # the adopted Envoy holds the previous agent's full config: it is sent nothing
-            # until this agent's Services are in (the first ``set_services``), or a bound
+            # (not even the empty snapshot of a server just started) until this agent's
+            # Services are in (the first ``set_services``), or a bound
             self.xds.hold()
+        self.xds.start()
+        if old is not None:
+            self._seed_from_adopted()
             threading.Thread(target=self._release_after, args=(ADOPTED_HOLD_MAX_S,),
                              name="xds-hold", daemon=True).start()
         self._publish()  # an empty (or restored) snapshot so Envoy's first fetch completes
