@@ -523,10 +523,7 @@ class EnvoySink:
         the recorded listener already, and gets this agent's version at release. Waiting
         would hold the agent's start (the Services load after the pods are restored) for
         an ACK that cannot come before it."""
-        if not self.xds.held:
-            self.add_pod(pod)
-            return
-        self.add_pod(pod, confirm=False)
+        self.add_pod(pod, confirm=not self.xds.held)
 
     def add_pod(self, pod: CapturedPod, confirm: bool = True) -> None:
         started = time.monotonic()
@@ -644,8 +641,7 @@ class EnvoySink:
             self._gamma = gamma
             self._learnable = learnable
             version = self._publish()
-        if self.xds.held:
-            self.xds.release()
+        self.xds.release()  # a no-op unless an adopted Envoy is still held
         return version
 
     def _release_after(self, seconds: float) -> None:
