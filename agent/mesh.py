@@ -21,7 +21,7 @@ from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
-from agent.scope.model import MeshModel, ServiceView
+from agent.scope.model import REMOTE_POD_KIND, MeshModel, ServiceView
 from agent.scope.route_tables import GammaResult, build_tables
 from agent.scope.routes import Route
 from agent.slices.project import is_projected
@@ -31,6 +31,11 @@ from agent.source.objects import ReferenceGrantObject
 from agent.source.pace import breathe
 
 log = logging.getLogger("aether.mesh")
+
+#: Kinds the model is the one reader of, keeping its own digest of each object: the store
+#: keeps stubs of them (``ObjectStore.thin``). Services, Pods, Namespaces and routes stay
+#: whole: the projection, route status and the CNI path read them back.
+THIN_KINDS = ("EndpointSlice", REMOTE_POD_KIND)
 
 REGISTER_WAIT_S = 0.1  # how long an ADD/DEL may wait for the mesh model before queueing
 
@@ -98,6 +103,8 @@ class MeshRuntime:
         for tests that fill the store and read what the runtime derives)."""
         if self._unsubscribe is None:
             self._unsubscribe = self.objects.on_event(self._on_event)
+            # the model keeps what it needs of these (records, slices): the store, stubs
+            self.objects.thin(THIN_KINDS)
 
     def stop(self) -> None:
         self._stop.set()

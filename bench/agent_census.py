@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import gc
 import os
 import re
@@ -27,7 +28,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
+import types
 
 DONE = "census.done"
 
@@ -79,6 +82,11 @@ def census(out: str) -> None:
             f.write(f"\n{kind} shapes holding the most (MB)\n")
             for shape, n in by_shape.most_common(20):
                 f.write(f"{n / 2**20:8.1f}  {shape}\n")
+    with open(os.path.join(out, "owners.txt"), "w") as f:
+        f.write("deep size by holder (class.attribute, MB; an object counted once, first "
+                "holder in this order wins)\n")
+        for where, n in _owners():
+            f.write(f"{n / 2**20:8.1f}  {where}\n")
     fd = os.open(os.path.join(out, "mallocstats.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     saved = os.dup(2)
     os.dup2(fd, 2)
@@ -91,8 +99,77 @@ def census(out: str) -> None:
     open(os.path.join(out, DONE), "w").close()  # noqa: SIM115 - a marker
 
 
+#: The agent's long-lived holders, largest first in the usual census: their attributes are
+#: sized in this order.
+HOLDERS = ("Registry", "MeshModel", "ResourceBuilder", "XdsServer", "KubeSource",
+           "CachedSource", "EnrollmentLoop", "MeshRuntime",
+           "MeshPodPublisher", "ObjectStore")
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType, types.CodeType)
+
+
+def _deep(root: object, seen: set[int]) -> int:
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, (str, bytes, int, float)):
+            continue
+        if type(obj).__name__ in HOLDERS or isinstance(obj, threading.Thread):
+            continue  # another holder: sized on its own
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def _owners() -> list[tuple[str, int]]:
+    seen: set[int] = set()
+    out: list[tuple[str, int]] = []
+    objs = [o for o in gc.get_objects() if type(o).__name__ in HOLDERS]
+    objs.sort(key=lambda o: HOLDERS.index(type(o).__name__))
+    for obj in objs:
+        if type(obj).__name__ == "ObjectStore":
+            out.extend(_kinds_breakdown(seen))
+        seen.add(id(obj))
+        attrs = dict(getattr(obj, "__dict__", {}))
+        for slot in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, slot):
+                attrs[slot] = getattr(obj, slot)
+        for name, value in attrs.items():
+            out.append((f"{type(obj).__name__}.{name}", _deep(value, seen)))
+    out.sort(key=lambda x: -x[1])
+    return out[:40]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _kinds_breakdown(seen: set[int]) -> list[tuple[str, int]]:
+    """What the store holds by kind that no other holder does (sized last)."""
+    out = []
+    for o in gc.get_objects():
+        if type(o).__name__ == "ObjectStore":
+            for kind, objs in o._kinds.items():
+                out.append((f"ObjectStore kind {kind}", _deep(objs, seen)))
+    return out
+
+
+def trim(out: str) -> None:
+    """What glibc gives back once asked (``malloc_trim``), before the census allocates."""
+    rss_before = _rss()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open(os.path.join(out, "trim.txt"), "w") as f:
+        f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) {_rss() / 2**20:.0f} MB\n")
+
+
 def _child(out: str, argv: list[str]) -> None:
-    """The agent, with the census on SIGUSR2."""
+    """The agent, with the trim on SIGUSR1 and the census on SIGUSR2."""
+    signal.signal(signal.SIGUSR1, lambda *_: trim(out))
     signal.signal(signal.SIGUSR2, lambda *_: census(out))
     sys.argv = ["agent.cli", *argv]
     runpy.run_module("agent.cli", run_name="__main__")
@@ -125,6 +202,13 @@ def main() -> int:
         mem = c.memory()
         progress(f"ready in {ready:.1f} s, agent RSS {mem['agent_rss_mb']:.0f} MB; counting …")
         assert c.agent is not None
+        os.kill(c.agent.pid, signal.SIGUSR1)
+        trimmed = os.path.join(out, "trim.txt")
+        while not os.path.exists(trimmed):
+            time.sleep(0.2)
+        time.sleep(0.2)
+        with open(trimmed) as f:
+            progress(f.read().strip())
         os.kill(c.agent.pid, signal.SIGUSR2)
         deadline = time.monotonic() + 600
         while not os.path.exists(os.path.join(out, DONE)):

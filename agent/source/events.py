@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from agent.source.base import WatchEvent
@@ -64,6 +64,45 @@ def diff_snapshots(
     return events
 
 
+class Stub(Mapping[str, Any]):
+    """What the store keeps of an object of a thin kind: its name, namespace and
+    resourceVersion — all a relist's diff and a synthetic DELETED need. The body lives on
+    only in its one consumer's model (at 100k Pods the bodies of remote pods and
+    EndpointSlices were ~60 MB held twice)."""
+
+    __slots__ = ("_name", "_namespace", "_rv")
+
+    def __init__(self, name: str, namespace: str, rv: str) -> None:
+        self._name, self._namespace, self._rv = name, namespace, rv
+
+    def __getitem__(self, key: str) -> Any:
+        if key != "metadata":
+            raise KeyError(key)
+        meta = {"name": self._name, "resourceVersion": self._rv}
+        if self._namespace:
+            meta["namespace"] = self._namespace
+        return meta
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("metadata",))
+
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"Stub({self._namespace}/{self._name}@{self._rv})"
+
+
+def stub_of(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``obj`` as a thin kind keeps it; whole when it has no resourceVersion (a manifest
+    file's object: only its content says whether a re-read changed it)."""
+    meta = obj.get("metadata") or {}
+    rv = meta.get("resourceVersion")
+    if not rv:
+        return obj
+    return Stub(str(meta.get("name") or ""), str(meta.get("namespace") or ""), str(rv))
+
+
 class ObjectStore:
     """Thread-safe index of the latest object per (kind, ns, name), with ordered callbacks.
 
@@ -78,6 +117,20 @@ class ObjectStore:
         # 100k Pods, and a second, flat index cost a dict entry an object
         self._kinds: dict[str, dict[ObjKey, dict[str, Any]]] = {}
         self._subscribers: list[Callback] = []
+        self._thin: frozenset[str] = frozenset()
+
+    def thin(self, kinds: Iterable[str]) -> None:
+        """Keep only a ``Stub`` of these kinds' objects from now on (and of those held).
+
+        For kinds whose one reader is a subscriber that keeps what it needs of each object
+        (the mesh model: remote pods, EndpointSlices). ``get``/``of_kind`` then return stubs,
+        and a later subscriber's replay leaves these kinds out: it could not use them."""
+        with self._lock:
+            self._thin = self._thin | frozenset(kinds)
+            for kind in self._thin:
+                objs = self._kinds.get(kind) or {}
+                for key, obj in objs.items():
+                    objs[key] = stub_of(obj)  # type: ignore[assignment]
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -110,7 +163,7 @@ class ObjectStore:
         with self._lock:
             if replay:
                 objects = self.snapshot()
-                for key in sorted(objects):
+                for key in sorted(k for k in objects if k[0] not in self._thin):
                     self._call(callback, WatchEvent("ADDED", key[0], objects[key]))
             self._subscribers.append(callback)
 
@@ -152,7 +205,8 @@ class ObjectStore:
             else:
                 if old is not None and _same(old, event.obj):
                     return None
-                objs[key] = event.obj
+                objs[key] = (stub_of(event.obj)  # type: ignore[assignment]
+                             if event.kind in self._thin else event.obj)
                 out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
             self._publish(out)
             return out
