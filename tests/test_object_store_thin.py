@@ -4,13 +4,17 @@ EndpointSlices), and the model still converges through watch events and relists.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 from agent.config import NodeConfig
 from agent.mesh import THIN_KINDS, MeshRuntime
+from agent.meshpods import record
 from agent.scope.model import REMOTE_POD_KIND
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore, Stub
+from agent.source.model import slim_pod
+from agent.source.objects import PodObject
+from agent.source.watch import meshpod_object
 from tests.test_meshpods import remote
 from tests.test_slices_project import members, namespace, pod, service
 
@@ -100,3 +104,15 @@ def test_a_relist_missing_thinned_objects_removes_them_from_the_model() -> None:
     assert _members(mesh) == ["apps/r1"]
     mesh.objects.replace_kind(REMOTE_POD_KIND, [])
     assert _members(mesh) == []
+
+
+def test_a_remote_pod_and_a_slice_arrive_with_the_resource_version_their_stub_keeps() -> None:
+    rec = record.record_of(slim_pod(cast(PodObject, pod("r1", ("10.1.0.9",), node="node-b"))),
+                           "node-b")
+    rec["metadata"]["resourceVersion"] = "42"
+    obj = meshpod_object(rec)
+    store = ObjectStore()
+    store.thin([REMOTE_POD_KIND])
+    store.apply(WatchEvent("ADDED", REMOTE_POD_KIND, obj))
+    assert dict(store.get(REMOTE_POD_KIND, "apps", "r1") or {}) == {
+        "metadata": {"name": "r1", "namespace": "apps", "resourceVersion": "42"}}

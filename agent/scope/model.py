@@ -399,7 +399,7 @@ class MeshModel:
         node = str(((obj or {}).get("spec") or {}).get("nodeName") or "")
         remote = key in self._remote_pods
         ours = self.registry.is_local(key) or (
-            not remote and self.registry.api_object(key) is not None)
+            not remote and self.registry.api_pod(key) is not None)
         if ours or obj is None or "spec" not in obj or node == self.node_name:
             if not remote:
                 return set()  # nothing of the record's in the registry (or ours wins)

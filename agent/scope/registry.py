@@ -27,6 +27,7 @@ from agent.scope.services import canonical_ip
 from agent.scope.small_sets import Bucket, add_to, bucket, discard_from
 from agent.source.model import (
     NamespaceMeta,
+    PodMeta,
     namespace_from_object,
     pod_identity_from_object,
     shared,
@@ -69,6 +70,46 @@ class PodRecord:
         if isinstance(target, int):
             return target
         return self.named_ports.get(target)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiPod:
+    """What the registry keeps of a pod's API object: the fields its record is built from,
+    read once. The object stays with the source's store (a stub there for other nodes'
+    pods): at 100k remote pods, holding it here too was ~50 MB."""
+
+    namespace: str
+    name: str
+    uid: str
+    service_account: str
+    node_name: str
+    host_network: bool
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    ips: tuple[str, ...]
+    ready: bool
+    terminating: bool
+    finished: bool  # Succeeded or Failed: no endpoint, even while the object lingers
+    named_ports: dict[str, int]
+
+    @classmethod
+    def of(cls, obj: PodObject) -> ApiPod:
+        meta = pod_identity_from_object(obj)
+        phase = str((obj.get("status") or {}).get("phase") or "")
+        return cls(
+            namespace=meta.namespace, name=meta.name, uid=meta.uid,
+            service_account=meta.service_account, node_name=meta.node_name,
+            host_network=meta.host_network, labels=meta.labels, annotations=meta.annotations,
+            ips=_pod_ips(obj), ready=_ready(obj),
+            terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
+            finished=phase in ("Succeeded", "Failed"), named_ports=shared(_named_ports(obj)))
+
+    def meta(self) -> PodMeta:
+        """As ``managed`` reads a pod."""
+        return PodMeta(namespace=self.namespace, name=self.name, uid=self.uid,
+                       labels=self.labels, annotations=self.annotations,
+                       service_account=self.service_account, node_name=self.node_name,
+                       host_network=self.host_network)
 
 
 @dataclass(frozen=True)
@@ -128,7 +169,7 @@ class Registry:
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
-        self._api: dict[str, PodObject] = {}
+        self._api: dict[str, ApiPod] = {}
         self._cni: dict[str, CniRegistration] = {}
         self._namespaces: dict[str, NamespaceMeta] = {}
         self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
@@ -186,8 +227,8 @@ class Registry:
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
-    def api_object(self, pod_key: str) -> PodObject | None:
-        """The pod's object as the source reported it (None: only a CNI ADD, or unknown)."""
+    def api_pod(self, pod_key: str) -> ApiPod | None:
+        """The pod as the source reported it (None: only a CNI ADD, or unknown)."""
         return self._api.get(pod_key)
 
     def is_local(self, pod_key: str) -> bool:
@@ -196,11 +237,10 @@ class Registry:
 
     def upsert_pod(self, obj: PodObject) -> tuple[set[str], set[str]]:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
-        m = obj.get("metadata") or {}
-        ns = str(m.get("namespace") or "default")
-        key = pod_key(ns, str(m.get("name") or ""))  # PodMeta.key, without building it
-        self._api[key] = obj
-        self._pod_keys_by_ns.setdefault(ns, set()).add(key)
+        api = ApiPod.of(obj)
+        key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
+        self._api[key] = api
+        self._pod_keys_by_ns.setdefault(api.namespace, set()).add(key)
         return self._refresh_pods({key})
 
     def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
@@ -356,28 +396,27 @@ class Registry:
                 ready=reg.ready, local=True, labels=reg.labels, annotations=reg.annotations,
                 sources=_CNI,
             )
-        phase = str((obj.get("status") or {}).get("phase") or "")
-        if phase in ("Succeeded", "Failed"):
+        if obj.finished:
             return None  # finished pods are no endpoints, even if the object lingers
-        meta = pod_identity_from_object(obj)
-        if reg is None and not managed(meta, self._namespaces.get(meta.namespace), self.node)[0]:
+        if reg is None and not managed(obj.meta(), self._namespaces.get(obj.namespace),
+                                       self.node)[0]:
             return None
-        ips = _pod_ips(obj)
-        if reg is not None and (not ips or (reg.uid and meta.uid and reg.uid != meta.uid)):
+        ips = obj.ips
+        if reg is not None and (not ips or (reg.uid and obj.uid and reg.uid != obj.uid)):
             ips = reg.ips  # the CNI saw the sandbox before the API reported it
         return PodRecord(
-            namespace=meta.namespace,
-            name=meta.name,
-            uid=meta.uid or (reg.uid if reg else ""),
-            service_account=meta.service_account,
+            namespace=obj.namespace,
+            name=obj.name,
+            uid=obj.uid or (reg.uid if reg else ""),
+            service_account=obj.service_account,
             ips=ips,
-            node_name=meta.node_name,
-            ready=_ready(obj) or (reg is not None and reg.ready and not _pod_ips(obj)),
-            terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
-            local=reg is not None or (bool(meta.node_name) and meta.node_name == self.node.node_name),
-            labels=meta.labels,
-            annotations=meta.annotations,
-            named_ports=shared(_named_ports(obj)),
+            node_name=obj.node_name,
+            ready=obj.ready or (reg is not None and reg.ready and not obj.ips),
+            terminating=obj.terminating,
+            local=reg is not None or (bool(obj.node_name) and obj.node_name == self.node.node_name),
+            labels=obj.labels,
+            annotations=obj.annotations,
+            named_ports=obj.named_ports,
             sources=_API_CNI if reg else _API,
         )
 

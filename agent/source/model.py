@@ -244,12 +244,15 @@ def slim_pod(obj: PodObject) -> dict[str, Any]:
 def slim_endpoint_slice(obj: EndpointSliceObject) -> dict[str, Any]:
     """An EndpointSlice as the mesh reads it (``MeshModel._apply_slice``, ``is_projected``):
     name, namespace and labels; address type; ports; per endpoint its addresses, conditions,
-    node, zone, hints and Pod reference. managedFields, annotations, owner references and the
-    resourceVersion go on receipt (the projector keeps its own copies of the slices it
-    writes), and repeated strings and conditions are shared, so a 10k-Service cluster's
-    slices cost what their endpoints are, not what their JSON was."""
+    node, zone, hints and Pod reference, and the resourceVersion (all the store keeps of it
+    once the model follows: ``ObjectStore.thin``). managedFields, annotations and owner
+    references go on receipt (the projector keeps its own copies of the slices it writes),
+    and repeated strings and conditions are shared, so a 10k-Service cluster's slices cost
+    what their endpoints are, not what their JSON was."""
     meta = _map(obj.get("metadata"))
     m: dict[str, Any] = {k: intern_short(meta[k]) for k in ("name", "namespace") if k in meta}
+    if meta.get("resourceVersion"):
+        m["resourceVersion"] = str(meta["resourceVersion"])
     if meta.get("labels"):
         m["labels"] = shared_map(meta["labels"])
     if meta.get("deletionTimestamp"):

@@ -382,6 +382,8 @@ def meshpod_object(record: dict[str, Any]) -> dict[str, Any]:
         pod = {"metadata": {"name": str(meta.get("name") or ""),
                             "namespace": str(meta.get("namespace") or "default")}}
     pod["apiVersion"], pod["kind"] = MESHPOD_API_VERSION, MESHPOD_KIND  # a fresh dict
+    if meta.get("resourceVersion"):  # the record's: what the store keeps (ObjectStore.thin)
+        pod["metadata"]["resourceVersion"] = str(meta["resourceVersion"])
     # the cluster's remote pods: one packed object each instead of four dicts
     return pack(pod, ("metadata", "spec", "status"))  # type: ignore[return-value]
 
