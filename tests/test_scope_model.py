@@ -188,6 +188,26 @@ def test_versioned_backends_stay_distinct_with_shared_sa(model: MeshModel) -> No
         "apps/v1-a", "apps/v2-a"}
 
 
+def test_a_pod_is_one_record_held_by_the_registry_whatever_its_api_object_held(
+        model: MeshModel) -> None:
+    """The registry reads a pod's API object once and keeps the record, not the object: a
+    managed pod without a CNI ADD here is the very record its API half is, and a namespace
+    flip re-evaluates from the records alone."""
+    add(model, ns("plain", managed=False), svc("s", "plain", selector={"app": "s"}),
+        pod("p", "plain", ips=("10.0.9.1",), labels={"app": "s"}, ports={"http": 8080}))
+    reg = model.registry
+    assert reg.get("plain/p") is None and reg.api_pod("plain/p") is not None
+    add(model, ns("plain", managed=True))
+    rec = reg.get("plain/p")
+    assert rec is not None and rec is reg.api_pod("plain/p")
+    assert (rec.ips, rec.labels, rec.named_ports, rec.local) == (
+        ("10.0.9.1",), {"app": "s"}, {"http": 8080}, False)
+    finished = pod("p", "plain", ips=("10.0.9.1",), labels={"app": "s"})
+    finished["status"]["phase"] = "Succeeded"
+    add(model, finished)
+    assert reg.get("plain/p") is None and reg.members("plain/s") == []
+
+
 def test_named_target_ports_resolve_per_pod(model: MeshModel) -> None:
     add(
         model, ns("apps"),

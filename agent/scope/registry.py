@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.capture.policy import managed
@@ -52,6 +52,34 @@ class PodRecord:
     annotations: dict[str, str] = field(default_factory=dict)
     named_ports: dict[str, int] = field(default_factory=dict)
     sources: frozenset[str] = frozenset()
+    # what the API says beyond the endpoint, for deciding whether it is one
+    host_network: bool = False
+    finished: bool = False  # Succeeded or Failed: no endpoint, even while the object lingers
+
+    @classmethod
+    def of_api(cls, obj: PodObject, node_name: str) -> PodRecord:
+        """The pod as its API object says, read once: the registry keeps this instead of the
+        object (which stays with the source's store, a stub there for other nodes' pods: at
+        100k remote pods holding it here too was ~50 MB), and a managed pod without a CNI
+        ADD here is this very record."""
+        meta = pod_identity_from_object(obj)
+        phase = str((obj.get("status") or {}).get("phase") or "")
+        return cls(
+            namespace=meta.namespace, name=meta.name, uid=meta.uid,
+            service_account=meta.service_account, ips=_pod_ips(obj), node_name=meta.node_name,
+            ready=_ready(obj),
+            terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
+            local=bool(meta.node_name) and meta.node_name == node_name,
+            labels=meta.labels, annotations=meta.annotations,
+            named_ports=shared(_named_ports(obj)), sources=_API,
+            host_network=meta.host_network, finished=phase in ("Succeeded", "Failed"))
+
+    def meta(self) -> PodMeta:
+        """As ``managed`` reads a pod."""
+        return PodMeta(namespace=self.namespace, name=self.name, uid=self.uid,
+                       labels=self.labels, annotations=self.annotations,
+                       service_account=self.service_account, node_name=self.node_name,
+                       host_network=self.host_network)
 
     @property
     def key(self) -> PodKey:
@@ -70,46 +98,6 @@ class PodRecord:
         if isinstance(target, int):
             return target
         return self.named_ports.get(target)
-
-
-@dataclass(frozen=True, slots=True)
-class ApiPod:
-    """What the registry keeps of a pod's API object: the fields its record is built from,
-    read once. The object stays with the source's store (a stub there for other nodes'
-    pods): at 100k remote pods, holding it here too was ~50 MB."""
-
-    namespace: str
-    name: str
-    uid: str
-    service_account: str
-    node_name: str
-    host_network: bool
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    ips: tuple[str, ...]
-    ready: bool
-    terminating: bool
-    finished: bool  # Succeeded or Failed: no endpoint, even while the object lingers
-    named_ports: dict[str, int]
-
-    @classmethod
-    def of(cls, obj: PodObject) -> ApiPod:
-        meta = pod_identity_from_object(obj)
-        phase = str((obj.get("status") or {}).get("phase") or "")
-        return cls(
-            namespace=meta.namespace, name=meta.name, uid=meta.uid,
-            service_account=meta.service_account, node_name=meta.node_name,
-            host_network=meta.host_network, labels=meta.labels, annotations=meta.annotations,
-            ips=_pod_ips(obj), ready=_ready(obj),
-            terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
-            finished=phase in ("Succeeded", "Failed"), named_ports=shared(_named_ports(obj)))
-
-    def meta(self) -> PodMeta:
-        """As ``managed`` reads a pod."""
-        return PodMeta(namespace=self.namespace, name=self.name, uid=self.uid,
-                       labels=self.labels, annotations=self.annotations,
-                       service_account=self.service_account, node_name=self.node_name,
-                       host_network=self.host_network)
 
 
 @dataclass(frozen=True)
@@ -169,7 +157,7 @@ class Registry:
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
-        self._api: dict[str, ApiPod] = {}
+        self._api: dict[str, PodRecord] = {}  # the API half (PodRecord.of_api)
         self._cni: dict[str, CniRegistration] = {}
         self._namespaces: dict[str, NamespaceMeta] = {}
         self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
@@ -227,7 +215,7 @@ class Registry:
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
-    def api_pod(self, pod_key: str) -> ApiPod | None:
+    def api_pod(self, pod_key: str) -> PodRecord | None:
         """The pod as the source reported it (None: only a CNI ADD, or unknown)."""
         return self._api.get(pod_key)
 
@@ -237,7 +225,7 @@ class Registry:
 
     def upsert_pod(self, obj: PodObject) -> tuple[set[str], set[str]]:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
-        api = ApiPod.of(obj)
+        api = PodRecord.of_api(obj, self.node.node_name)
         key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
         self._api[key] = api
         self._pod_keys_by_ns.setdefault(api.namespace, set()).add(key)
@@ -398,27 +386,16 @@ class Registry:
             )
         if obj.finished:
             return None  # finished pods are no endpoints, even if the object lingers
-        if reg is None and not managed(obj.meta(), self._namespaces.get(obj.namespace),
-                                       self.node)[0]:
-            return None
+        if reg is None:
+            managed_now = managed(obj.meta(), self._namespaces.get(obj.namespace), self.node)[0]
+            return obj if managed_now else None  # one object: the API half is the record
+        # a CNI ADD here: the two halves merged
         ips = obj.ips
-        if reg is not None and (not ips or (reg.uid and obj.uid and reg.uid != obj.uid)):
+        if not ips or (reg.uid and obj.uid and reg.uid != obj.uid):
             ips = reg.ips  # the CNI saw the sandbox before the API reported it
-        return PodRecord(
-            namespace=obj.namespace,
-            name=obj.name,
-            uid=obj.uid or (reg.uid if reg else ""),
-            service_account=obj.service_account,
-            ips=ips,
-            node_name=obj.node_name,
-            ready=obj.ready or (reg is not None and reg.ready and not obj.ips),
-            terminating=obj.terminating,
-            local=reg is not None or (bool(obj.node_name) and obj.node_name == self.node.node_name),
-            labels=obj.labels,
-            annotations=obj.annotations,
-            named_ports=obj.named_ports,
-            sources=_API_CNI if reg else _API,
-        )
+        return replace(obj, uid=obj.uid or reg.uid, ips=ips,
+                       ready=obj.ready or (reg.ready and not obj.ips), local=True,
+                       sources=_API_CNI)
 
     def _refresh_pods(self, keys: set[str]) -> tuple[set[str], set[str]]:
         affected: set[str] = set()
