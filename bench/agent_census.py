@@ -82,6 +82,11 @@ def census(out: str) -> None:
             f.write(f"\n{kind} shapes holding the most (MB)\n")
             for shape, n in by_shape.most_common(20):
                 f.write(f"{n / 2**20:8.1f}  {shape}\n")
+    with open(os.path.join(out, "indexes.txt"), "w") as f:
+        f.write("dict attributes of the holders: entries, the dict itself (MB), its values "
+                "shallow (MB), value types\n")
+        for line in _indexes():
+            f.write(line + "\n")
     with open(os.path.join(out, "owners.txt"), "w") as f:
         f.write("deep size by holder (class.attribute, MB; an object counted once, first "
                 "holder in this order wins)\n")
@@ -165,6 +170,26 @@ def trim(out: str) -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open(os.path.join(out, "trim.txt"), "w") as f:
         f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) {_rss() / 2**20:.0f} MB\n")
+
+
+def _indexes() -> list[str]:
+    rows = []
+    for obj in gc.get_objects():
+        if type(obj).__name__ not in HOLDERS:
+            continue
+        for name, value in getattr(obj, "__dict__", {}).items():
+            if not isinstance(value, dict) or len(value) < 50:
+                continue
+            shallow = sum(sys.getsizeof(v) for v in value.values())
+            kinds = collections.Counter(
+                type(v).__name__ + (f"[{len(v)}]" if isinstance(v, (tuple, set, dict, list))
+                                    and len(v) < 4 else "") for v in value.values())
+            rows.append((sys.getsizeof(value) + shallow,
+                         f"{type(obj).__name__}.{name}: {len(value)} entries, "
+                         f"{sys.getsizeof(value) / 2**20:.1f} + {shallow / 2**20:.1f} MB, "
+                         f"{dict(kinds.most_common(4))}, largest values "
+                         f"{sorted((sys.getsizeof(v), len(v) if hasattr(v, '__len__') else 0) for v in value.values())[-3:]}"))
+    return [r for _, r in sorted(rows, reverse=True)]
 
 
 def _child(out: str, argv: list[str]) -> None:

@@ -160,7 +160,6 @@ class Registry:
         self._api: dict[str, PodRecord] = {}  # the API half (PodRecord.of_api)
         self._cni: dict[str, CniRegistration] = {}
         self._namespaces: dict[str, NamespaceMeta] = {}
-        self._pod_keys_by_ns: dict[str, set[str]] = {}  # every known pod, managed or not
         self._records: dict[str, PodRecord] = {}
         # buckets (agent.scope.small_sets): tuples while small, sets beyond
         self._by_identity: dict[str, Bucket] = {}
@@ -181,8 +180,9 @@ class Registry:
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
         self._members: dict[str, Bucket] = {}
-        # pod key → its Services: a tuple (most pods are in one or two; a set is 216 bytes)
-        self._pod_svcs: dict[str, tuple[str, ...]] = {}
+        # pod key → its Services: the key itself when one (most pods), else a tuple (a set
+        # is 216 bytes, a 1-tuple 48); read through _svcs_of, written through _set_svcs
+        self._pod_svcs: dict[str, str | tuple[str, ...]] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -211,7 +211,17 @@ class Registry:
         return [self._records[k] for k in sorted(self._members.get(svc_key, ()))]
 
     def services_of(self, pod_key: str) -> set[str]:
-        return set(self._pod_svcs.get(pod_key, ()))
+        return set(self._svcs_of(pod_key))
+
+    def _svcs_of(self, pod_key: str) -> tuple[str, ...]:
+        got = self._pod_svcs.get(pod_key, ())
+        return (got,) if isinstance(got, str) else got
+
+    def _set_svcs(self, pod_key: str, svcs: tuple[str, ...]) -> None:
+        if not svcs:
+            self._pod_svcs.pop(pod_key, None)
+        else:
+            self._pod_svcs[pod_key] = svcs[0] if len(svcs) == 1 else svcs
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
@@ -228,7 +238,6 @@ class Registry:
         api = PodRecord.of_api(obj, self.node.node_name)
         key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
         self._api[key] = api
-        self._pod_keys_by_ns.setdefault(api.namespace, set()).add(key)
         return self._refresh_pods({key})
 
     def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
@@ -254,7 +263,6 @@ class Registry:
                               dict(labels or {}), dict(annotations or {}), ready)
         key = f"{namespace}/{name}"
         self._cni[key] = reg
-        self._pod_keys_by_ns.setdefault(namespace, set()).add(key)
         return self._refresh_pods({key})
 
     def unregister_local(self, namespace: str, name: str, uid: str = ""
@@ -283,7 +291,15 @@ class Registry:
             if self._namespaces.get(name) == meta:
                 return []
             self._namespaces[name] = meta
-        return sorted(self._pod_keys_by_ns.get(name, ()))
+        return self._keys_in(name)
+
+    def _keys_in(self, namespace: str) -> list[str]:
+        """Every known pod of a namespace, managed or not. Found by a pass over the pods, not
+        kept as an index: a namespace changes rarely, and a set of its pods was 131 KB per
+        2000 (at 100k pods a pass is a few milliseconds)."""
+        prefix = namespace + "/"
+        return sorted({k for k in self._api if k.startswith(prefix)}
+                      | {k for k in self._cni if k.startswith(prefix)})
 
     def refresh_pods(self, keys: Iterable[str]) -> tuple[set[str], set[str]]:
         """Re-evaluate these pods against what is known now: (Services affected, pods changed)."""
@@ -402,9 +418,6 @@ class Registry:
         changed_pods: set[str] = set()
         for key in keys:
             old, new = self._records.get(key), self._build(key)
-            if key not in self._api and key not in self._cni:
-                ns = key.split("/", 1)[0]
-                self._pod_keys_by_ns.get(ns, set()).discard(key)
             if old == new:
                 continue
             changed_pods.add(key)
@@ -419,16 +432,13 @@ class Registry:
                 add_to(self._by_identity, new.identity, key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
-            old_svcs = set(self._pod_svcs.get(key, ()))
+            old_svcs = set(self._svcs_of(key))
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
                 discard_from(self._members, s, key)
             for s in new_svcs - old_svcs:
                 add_to(self._members, s, key)
-            if new_svcs:
-                self._pod_svcs[key] = tuple(new_svcs)
-            else:
-                self._pod_svcs.pop(key, None)
+            self._set_svcs(key, tuple(new_svcs))
             affected |= old_svcs | new_svcs
         return affected, changed_pods
 
@@ -475,17 +485,13 @@ class Registry:
         if old == members:
             return False
         for k in old - members:
-            s = self._pod_svcs.get(k)
-            if s is not None and svc_key in s:
-                rest = tuple(x for x in s if x != svc_key)
-                if rest:
-                    self._pod_svcs[k] = rest
-                else:
-                    del self._pod_svcs[k]
+            s = self._svcs_of(k)
+            if svc_key in s:
+                self._set_svcs(k, tuple(x for x in s if x != svc_key))
         for k in members - old:
-            s = self._pod_svcs.get(k, ())
+            s = self._svcs_of(k)
             if svc_key not in s:
-                self._pod_svcs[k] = (*s, svc_key)
+                self._set_svcs(k, (*s, svc_key))
         self._members[svc_key] = bucket(members)
         return True
 

@@ -3,9 +3,11 @@
 The registry indexes pods by Service, identity and label; at 100k pods over 10k Services
 most buckets hold about ten keys, and a set of ten costs 728 bytes against a tuple's 120
 (``sys.getsizeof``), which made those three indexes ~25 MB. A bucket is a tuple up to
-``SMALL`` keys and a set beyond (so a 5000-pod Deployment's buckets stay O(1) to change),
-and goes back to a tuple when it shrinks to half that. Readers only iterate, size and sort
-buckets, which both shapes support."""
+``SMALL`` keys and a key-only dict beyond (so a 5000-pod Deployment's buckets stay O(1) to
+change), and goes back to a tuple when it shrinks to half that. A dict, not a set: a set
+built by adding 2000 keys is 131 KB, the dict 74 KB, and a label every pod of a namespace
+carries makes one such bucket per namespace. Readers only iterate, size and sort buckets,
+which both shapes support."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ K = TypeVar("K", bound=Hashable)
 
 SMALL = 16
 
-Bucket = tuple[str, ...] | set[str]
+Bucket = tuple[str, ...] | dict[str, None]
 
 
 def bucket(keys: Iterable[str]) -> Bucket:
-    """``keys`` as a bucket: a tuple when small, else a set."""
-    keys = keys if isinstance(keys, set) else set(keys)
-    return tuple(keys) if len(keys) <= SMALL else keys
+    """``keys`` as a bucket: a tuple when small, else a key-only dict."""
+    unique = dict.fromkeys(keys)
+    return tuple(unique) if len(unique) <= SMALL else unique
 
 
 def add_to(index: dict[K, Bucket], key: K, member: str) -> None:
@@ -31,9 +33,9 @@ def add_to(index: dict[K, Bucket], key: K, member: str) -> None:
         index[key] = (member,)
     elif isinstance(got, tuple):
         if member not in got:
-            index[key] = (*got, member) if len(got) < SMALL else {*got, member}
+            index[key] = (*got, member) if len(got) < SMALL else dict.fromkeys((*got, member))
     else:
-        got.add(member)
+        got[member] = None
 
 
 def discard_from(index: dict[K, Bucket], key: K, member: str) -> None:
@@ -48,7 +50,7 @@ def discard_from(index: dict[K, Bucket], key: K, member: str) -> None:
             else:
                 del index[key]
         return
-    got.discard(member)
+    got.pop(member, None)
     if len(got) <= SMALL // 2:
         if got:
             index[key] = tuple(got)
