@@ -116,3 +116,18 @@ def test_a_remote_pod_and_a_slice_arrive_with_the_resource_version_their_stub_ke
     store.apply(WatchEvent("ADDED", REMOTE_POD_KIND, obj))
     assert dict(store.get(REMOTE_POD_KIND, "apps", "r1") or {}) == {
         "metadata": {"name": "r1", "namespace": "apps", "resourceVersion": "42"}}
+
+
+def test_a_stub_gives_back_the_resource_version_exactly_as_the_api_spelled_it() -> None:
+    """The store may hold a plain decimal as a number; what readers see is the same string
+    (an opaque token to Kubernetes: "007" and "7" are two versions)."""
+    store = ObjectStore()
+    store.thin(["EndpointSlice"])
+    for name, rv in (("a", "7"), ("b", "007"), ("c", "0"), ("d", "x1")):
+        store.apply(WatchEvent("ADDED", "EndpointSlice", _rv(_slice(name, "p1"), rv)))
+        assert (store.get("EndpointSlice", "apps", f"web-{name}") or {})["metadata"][
+            "resourceVersion"] == rv
+    assert store.apply(WatchEvent("MODIFIED", "EndpointSlice",
+                                  _rv(_slice("b", "p2"), "7"))) is not None  # "007" ≠ "7"
+    assert store.apply(WatchEvent("MODIFIED", "EndpointSlice",
+                                  _rv(_slice("b", "p2"), "7"))) is None

@@ -65,10 +65,11 @@ def diff_snapshots(
 
 
 class Stub(Mapping[str, Any]):
-    """What the store keeps of an object of a thin kind: its name, namespace and
+    """An object of a thin kind as the store shows it: its name, namespace and
     resourceVersion — all a relist's diff and a synthetic DELETED need. The body lives on
     only in its one consumer's model (at 100k Pods the bodies of remote pods and
-    EndpointSlices were ~60 MB held twice)."""
+    EndpointSlices were ~60 MB held twice). Made on reading: the store holds only the
+    resourceVersion (``_held``), beside the key that names the object."""
 
     __slots__ = ("_name", "_namespace", "_rv")
 
@@ -93,14 +94,24 @@ class Stub(Mapping[str, Any]):
         return f"Stub({self._namespace}/{self._name}@{self._rv})"
 
 
-def stub_of(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``obj`` as a thin kind keeps it; whole when it has no resourceVersion (a manifest
-    file's object: only its content says whether a re-read changed it)."""
+def _held(obj: Mapping[str, Any]) -> Any:
+    """What a thin kind holds of ``obj``: its resourceVersion (an int when it is a plain
+    decimal, as the API's are: 28 bytes, not 55), or the object whole when it has none (a
+    manifest file's object: only its content says whether a re-read changed it)."""
+    if isinstance(obj, Stub):
+        return obj._rv
     meta = obj.get("metadata") or {}
-    rv = meta.get("resourceVersion")
+    rv = str(meta.get("resourceVersion") or "")
     if not rv:
         return obj
-    return Stub(str(meta.get("name") or ""), str(meta.get("namespace") or ""), str(rv))
+    return int(rv) if rv.isdigit() and rv[0] != "0" else rv
+
+
+def _shown(key: ObjKey, held: Any) -> Any:
+    """A held value as readers get it: a thin kind's resourceVersion as its ``Stub``."""
+    if isinstance(held, (int, str)):
+        return Stub(key[2], key[1], str(held))
+    return held
 
 
 class ObjectStore:
@@ -115,7 +126,7 @@ class ObjectStore:
         self._lock = threading.RLock()
         # the objects by kind, the only index: readers ask for one kind of a store holding
         # 100k Pods, and a second, flat index cost a dict entry an object
-        self._kinds: dict[str, dict[ObjKey, dict[str, Any]]] = {}
+        self._kinds: dict[str, dict[ObjKey, Any]] = {}  # objects, or a thin kind's _held
         self._subscribers: list[Callback] = []
         self._thin: frozenset[str] = frozenset()
 
@@ -130,22 +141,24 @@ class ObjectStore:
             for kind in self._thin:
                 objs = self._kinds.get(kind) or {}
                 for key, obj in objs.items():
-                    objs[key] = stub_of(obj)  # type: ignore[assignment]
+                    objs[key] = _held(obj)
 
     # ---- reading ---------------------------------------------------------------------------
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
             objs = self._kinds.get(kind)
-            return objs.get((kind, namespace, name)) if objs else None
+            key = (kind, namespace, name)
+            held = objs.get(key) if objs else None
+            return None if held is None else _shown(key, held)
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:
-            return [o for _, o in sorted((self._kinds.get(kind) or {}).items())]
+            return [_shown(k, o) for k, o in sorted((self._kinds.get(kind) or {}).items())]
 
     def snapshot(self) -> dict[ObjKey, dict[str, Any]]:
         with self._lock:
-            return {k: o for objs in self._kinds.values() for k, o in objs.items()}
+            return {k: _shown(k, o) for objs in self._kinds.values() for k, o in objs.items()}
 
     def counts(self) -> dict[str, int]:
         """Objects held per kind, from the by-kind index (no pass over the objects)."""
@@ -197,6 +210,8 @@ class ObjectStore:
         with self._lock:
             objs = self._kinds.setdefault(event.kind, {})
             old = objs.get(key)
+            if old is not None:
+                old = _shown(key, old)
             if event.type == "DELETED":
                 if old is None:
                     return None
@@ -205,8 +220,7 @@ class ObjectStore:
             else:
                 if old is not None and _same(old, event.obj):
                     return None
-                objs[key] = (stub_of(event.obj)  # type: ignore[assignment]
-                             if event.kind in self._thin else event.obj)
+                objs[key] = _held(event.obj) if event.kind in self._thin else event.obj
                 out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
             self._publish(out)
             return out
@@ -215,7 +229,7 @@ class ObjectStore:
         """Make ``objects`` the complete set of ``kind`` (a LIST or relist); returns the diff."""
         new = {object_key(kind, o): o for o in objects}
         with self._lock:
-            old = dict(self._kinds.get(kind) or {})
+            old = {k: _shown(k, o) for k, o in (self._kinds.get(kind) or {}).items()}
             events = diff_snapshots(old, new)
             for ev in events:
                 self.apply(ev)
@@ -229,7 +243,8 @@ class ObjectStore:
             wanted = set(kinds) if kinds is not None else (
                 {k[0] for k in objects} | {k for k, objs in self._kinds.items() if objs}
             )
-            old = {k: o for kind in wanted for k, o in (self._kinds.get(kind) or {}).items()}
+            old = {k: _shown(k, o) for kind in wanted
+                   for k, o in (self._kinds.get(kind) or {}).items()}
             new = {k: o for k, o in objects.items() if k[0] in wanted}
             events = diff_snapshots(old, new)
             for ev in events:
