@@ -33,6 +33,7 @@ from agent.scope.services import (
     service_from_object,
     session_persistence,
 )
+from agent.scope.small_sets import Bucket, add_to, discard_from
 from agent.source.base import WatchEvent
 from agent.source.objects import (
     BackendTrafficPolicyObject,
@@ -178,7 +179,7 @@ class MeshModel:
         self.routes = RouteCatalog()
         self.deps = DependencySet(ttl=learn_ttl, clock=clock, scope_all=scope_all)
         self._slices: dict[str, _Slice] = {}  # "<ns>/<slice>" → refs
-        self._slices_by_svc: dict[str, set[str]] = {}
+        self._slices_by_svc: dict[str, Bucket] = {}  # most Services have one slice
         self._slice_ports: dict[str, dict[str, int]] = {}
         # Service → address → hints, for the Services whose slices carry any
         self._slice_hints: dict[str, dict[str, Hint]] = {}
@@ -500,7 +501,7 @@ class MeshModel:
         skey = f"{ns}/{name}"
         old = self._slices.pop(skey, None)
         if old is not None:
-            self._slices_by_svc.get(old.service, set()).discard(skey)
+            discard_from(self._slices_by_svc, old.service, skey)
         if obj is not None:
             svc_name = ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
             if svc_name:
@@ -524,7 +525,7 @@ class MeshModel:
                 sl = _Slice(service_key(ns, svc_name), tuple(pods), tuple(ips), slice_ports,
                             slice_hints)
                 self._slices[skey] = sl
-                self._slices_by_svc.setdefault(sl.service, set()).add(skey)
+                add_to(self._slices_by_svc, sl.service, skey)
         affected: set[str] = set()
         for svc in {s.service for s in (old, self._slices.get(skey)) if s is not None}:
             slices = [self._slices[k] for k in self._slices_by_svc.get(svc, ())]

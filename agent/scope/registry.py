@@ -170,7 +170,7 @@ class Registry:
         # Inverted label indexes: selector matching costs O(matches), not O(pods × Services)
         # (a 10k-Service relist was quadratic without them).
         self._rec_by_label: dict[tuple[str, str, str], Bucket] = {}  # (ns, k, v) → records
-        self._svc_by_label: dict[tuple[str, str, str], set[str]] = {}  # first selector pair
+        self._svc_by_label: dict[tuple[str, str, str], Bucket] = {}  # first selector pair
         # a Service's slices' pod refs and addresses (tuples: read whole, never probed)
         self._slice_pods: dict[str, tuple[str, ...]] = {}
         self._slice_ips: dict[str, tuple[str, ...]] = {}
@@ -325,18 +325,14 @@ class Registry:
         self._svcs_by_ns.setdefault(namespace, set()).add(svc_key)
         if selector:
             k, v = min(selector.items())
-            self._svc_by_label.setdefault((namespace, k, v), set()).add(svc_key)
+            add_to(self._svc_by_label, (namespace, k, v), svc_key)
         return self._rematch_service(svc_key)
 
     def _unindex_selector(self, svc_key: str, namespace: str, selector: dict[str, str] | None
                           ) -> None:
         if selector:
             k, v = min(selector.items())
-            keys = self._svc_by_label.get((namespace, k, v))
-            if keys is not None:
-                keys.discard(svc_key)
-                if not keys:
-                    del self._svc_by_label[(namespace, k, v)]
+            discard_from(self._svc_by_label, (namespace, k, v), svc_key)
 
     def remove_service(self, svc_key: str) -> bool:
         if self._selectorless(svc_key):
