@@ -172,6 +172,10 @@ def trim(out: str) -> None:
         f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) {_rss() / 2**20:.0f} MB\n")
 
 
+def _size_len(v: object) -> tuple[int, int]:
+    return sys.getsizeof(v), len(v) if isinstance(v, (tuple, set, dict, list, str)) else 0
+
+
 def _indexes() -> list[str]:
     rows = []
     for obj in gc.get_objects():
@@ -188,7 +192,7 @@ def _indexes() -> list[str]:
                          f"{type(obj).__name__}.{name}: {len(value)} entries, "
                          f"{sys.getsizeof(value) / 2**20:.1f} + {shallow / 2**20:.1f} MB, "
                          f"{dict(kinds.most_common(4))}, largest values "
-                         f"{sorted((sys.getsizeof(v), len(v) if hasattr(v, '__len__') else 0) for v in value.values())[-3:]}"))
+                         f"{sorted(_size_len(v) for v in value.values())[-3:]}"))
     return [r for _, r in sorted(rows, reverse=True)]
 
 

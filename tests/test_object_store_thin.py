@@ -131,3 +131,13 @@ def test_a_stub_gives_back_the_resource_version_exactly_as_the_api_spelled_it() 
                                   _rv(_slice("b", "p2"), "7"))) is not None  # "007" ≠ "7"
     assert store.apply(WatchEvent("MODIFIED", "EndpointSlice",
                                   _rv(_slice("b", "p2"), "7"))) is None
+
+
+def test_thinning_twice_and_odd_digits_change_nothing() -> None:
+    store = ObjectStore()
+    store.thin(["EndpointSlice"])
+    store.apply(WatchEvent("ADDED", "EndpointSlice", _rv(_slice("a", "p1"), "²")))
+    store.apply(WatchEvent("ADDED", "EndpointSlice", _rv(_slice("b", "p1"), "12")))
+    store.thin(["EndpointSlice"])  # the held values are held already
+    assert [(o["metadata"]["name"], o["metadata"]["resourceVersion"])
+            for o in store.of_kind("EndpointSlice")] == [("web-a", "²"), ("web-b", "12")]

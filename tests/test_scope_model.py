@@ -202,6 +202,10 @@ def test_a_pod_is_one_record_held_by_the_registry_whatever_its_api_object_held(
     assert rec is not None and rec is reg.api_pod("plain/p")
     assert (rec.ips, rec.labels, rec.named_ports, rec.local) == (
         ("10.0.9.1",), {"app": "s"}, {"http": 8080}, False)
+    again = pod("p", "plain", ips=("10.0.9.1",), labels={"app": "s"}, ports={"http": 8080})
+    again["metadata"]["resourceVersion"] = "2"  # a change no record field shows
+    add(model, again)
+    assert reg.get("plain/p") is rec and reg.api_pod("plain/p") is rec  # still one object
     finished = pod("p", "plain", ips=("10.0.9.1",), labels={"app": "s"})
     finished["status"]["phase"] = "Succeeded"
     add(model, finished)

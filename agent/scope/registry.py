@@ -237,7 +237,8 @@ class Registry:
         """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
         api = PodRecord.of_api(obj, self.node.node_name)
         key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
-        self._api[key] = api
+        if self._api.get(key) != api:  # an equal one stays: it may be the record too
+            self._api[key] = api
         return self._refresh_pods({key})
 
     def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:

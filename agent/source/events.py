@@ -98,13 +98,15 @@ def _held(obj: Mapping[str, Any]) -> Any:
     """What a thin kind holds of ``obj``: its resourceVersion (an int when it is a plain
     decimal, as the API's are: 28 bytes, not 55), or the object whole when it has none (a
     manifest file's object: only its content says whether a re-read changed it)."""
+    if isinstance(obj, (int, str)):
+        return obj  # held already
     if isinstance(obj, Stub):
         return obj._rv
     meta = obj.get("metadata") or {}
     rv = str(meta.get("resourceVersion") or "")
     if not rv:
         return obj
-    return int(rv) if rv.isdigit() and rv[0] != "0" else rv
+    return int(rv) if rv.isascii() and rv.isdigit() and rv[0] != "0" else rv
 
 
 def _shown(key: ObjKey, held: Any) -> Any:
@@ -175,8 +177,9 @@ class ObjectStore:
         """Subscribe; with replay the current contents arrive first as ADDED. Returns unsubscribe."""
         with self._lock:
             if replay:
-                objects = self.snapshot()
-                for key in sorted(k for k in objects if k[0] not in self._thin):
+                objects = {k: o for kind, objs in self._kinds.items() if kind not in self._thin
+                           for k, o in objs.items()}
+                for key in sorted(objects):
                     self._call(callback, WatchEvent("ADDED", key[0], objects[key]))
             self._subscribers.append(callback)
 
