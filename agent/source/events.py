@@ -100,8 +100,6 @@ def _held(obj: Mapping[str, Any]) -> Any:
     manifest file's object: only its content says whether a re-read changed it)."""
     if isinstance(obj, (int, str)):
         return obj  # held already
-    if isinstance(obj, Stub):
-        return obj._rv
     meta = obj.get("metadata") or {}
     rv = str(meta.get("resourceVersion") or "")
     if not rv:
