@@ -3,13 +3,18 @@
     python -m bench.agent_census [--pods 100000] [--services 10000] [--out DIR]
 
 Runs one size of ``bench.agent_scale`` (the test API server, the real ``aether-agent run``
-with its Envoy) with the agent started through this module, which installs a SIGUSR2
-handler; once the agent is ready it is signalled and writes, into ``--out``:
+with its Envoy) with the agent started through this module, which installs SIGUSR1 and
+SIGUSR2 handlers; once the agent is ready it is signalled and writes, into ``--out``:
+
+- ``trim.txt`` (SIGUSR1, first): the RSS before and after ``malloc_trim(0)``, i.e. what glibc
+  held freed but not returned;
 
 - ``census.txt``: gc-tracked objects by type (count, ``sys.getsizeof`` total), then the
   untracked ones reachable from them (strings, bytes, atomic-only dicts and tuples), then the
   string and bytes "shapes" (digits folded to 9) holding the most memory: a string held once
   per endpoint instead of once per identity shows up as a shape far bigger than its count;
+- ``indexes.txt``: the long-lived holders' big dicts (entries, size, value shapes);
+- ``owners.txt``: the deep size of each holder's attributes, the store's by kind last;
 - ``mallocstats.txt``: ``sys._debugmallocstats()`` (pymalloc's arenas and blocks in use).
 
 What it found is in ``bench/README.md`` (the session notes).
@@ -31,6 +36,9 @@ import tempfile
 import threading
 import time
 import types
+from typing import Any
+
+import psutil
 
 DONE = "census.done"
 
@@ -82,15 +90,16 @@ def census(out: str) -> None:
             f.write(f"\n{kind} shapes holding the most (MB)\n")
             for shape, n in by_shape.most_common(20):
                 f.write(f"{n / 2**20:8.1f}  {shape}\n")
+    holders = _holders()
     with open(os.path.join(out, "indexes.txt"), "w") as f:
         f.write("dict attributes of the holders: entries, the dict itself (MB), its values "
                 "shallow (MB), value types\n")
-        for line in _indexes():
+        for line in _indexes(holders):
             f.write(line + "\n")
     with open(os.path.join(out, "owners.txt"), "w") as f:
         f.write("deep size by holder (class.attribute, MB; an object counted once, first "
                 "holder in this order wins)\n")
-        for where, n in _owners():
+        for where, n in _owners(holders):
             f.write(f"{n / 2**20:8.1f}  {where}\n")
     fd = os.open(os.path.join(out, "mallocstats.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     saved = os.dup(2)
@@ -130,14 +139,19 @@ def _deep(root: object, seen: set[int]) -> int:
     return total
 
 
-def _owners() -> list[tuple[str, int]]:
-    seen: set[int] = set()
-    out: list[tuple[str, int]] = []
+def _holders() -> list[object]:
+    """The live holders, in ``HOLDERS`` order."""
     objs = [o for o in gc.get_objects() if type(o).__name__ in HOLDERS]
     objs.sort(key=lambda o: HOLDERS.index(type(o).__name__))
-    for obj in objs:
+    return objs
+
+
+def _owners(holders: list[object]) -> list[tuple[str, int]]:
+    seen: set[int] = set()
+    out: list[tuple[str, int]] = []
+    for obj in holders:
         if type(obj).__name__ == "ObjectStore":
-            out.extend(_kinds_breakdown(seen))
+            out.extend(_kinds_breakdown(obj, seen))
         seen.add(id(obj))
         attrs = dict(getattr(obj, "__dict__", {}))
         for slot in getattr(type(obj), "__slots__", ()):
@@ -149,38 +163,29 @@ def _owners() -> list[tuple[str, int]]:
     return out[:40]
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _kinds_breakdown(seen: set[int]) -> list[tuple[str, int]]:
+def _kinds_breakdown(store: Any, seen: set[int]) -> list[tuple[str, int]]:
     """What the store holds by kind that no other holder does (sized last)."""
-    out = []
-    for o in gc.get_objects():
-        if type(o).__name__ == "ObjectStore":
-            for kind, objs in o._kinds.items():
-                out.append((f"ObjectStore kind {kind}", _deep(objs, seen)))
-    return out
+    return [(f"ObjectStore kind {kind}", _deep(objs, seen))
+            for kind, objs in store._kinds.items()]
 
 
 def trim(out: str) -> None:
     """What glibc gives back once asked (``malloc_trim``), before the census allocates."""
-    rss_before = _rss()
+    me = psutil.Process()
+    rss_before = me.memory_info().rss
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open(os.path.join(out, "trim.txt"), "w") as f:
-        f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) {_rss() / 2**20:.0f} MB\n")
+        f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) "
+                f"{me.memory_info().rss / 2**20:.0f} MB\n")
 
 
 def _size_len(v: object) -> tuple[int, int]:
     return sys.getsizeof(v), len(v) if isinstance(v, (tuple, set, dict, list, str)) else 0
 
 
-def _indexes() -> list[str]:
+def _indexes(holders: list[object]) -> list[str]:
     rows = []
-    for obj in gc.get_objects():
-        if type(obj).__name__ not in HOLDERS:
-            continue
+    for obj in holders:
         for name, value in getattr(obj, "__dict__", {}).items():
             if not isinstance(value, dict) or len(value) < 50:
                 continue
