@@ -24,7 +24,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
                    "quick": ["--quick"]},
     "xds_build": {"full": ["--services", "1000,10000", "--pods", "110"], "quick": ["--quick"]},
     "agent_scale": {"full": ["--pods", "50000,100000", "--services", "10000",
-                             "--remote-pods", "meshpods,pods"],
+                             "--remote-pods", "meshpods,pods", "--rounds", "3"],
                     "quick": ["--quick"]},
     "mesh_mtls": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
     "h2_balance": {"full": ["--rounds", "3", "--duration", "8"], "quick": ["--quick"]},
@@ -150,30 +150,47 @@ def _k(n: int) -> str:
 
 
 def rows_agent_scale(d: dict[str, Any]) -> list[Row]:
-    """The production mode (--remote-pods meshpods) per size, with the every-Pod mode of the
-    same run as its baseline where it ran; the targets on the largest production run."""
+    """The production mode (--remote-pods meshpods) per size, the median of its rounds with
+    their spread, beside the every-Pod mode of the same rounds where it ran (the ratio: the
+    median of the per-round ratios); the targets on the largest size's medians."""
     out: list[Row] = []
     results = d.get("results", [])
     target = d.get("targets", {})
     mode_of = [r.get("remote_pods", "pods") for r in results]
     headline = [r for r, m in zip(results, mode_of, strict=True) if m == "meshpods"] or results
     pods_mode = {r["pods"]: r for r, m in zip(results, mode_of, strict=True) if m == "pods"}
+
+    def spread(r: dict[str, Any], f: str, fmt: str) -> str:
+        lo, hi = r.get(f + "_spread") or [r[f], r[f]]
+        return f" ({fmt.format(lo)}–{fmt.format(hi)})" if r.get("rounds", 1) > 1 else ""
+
+    def ratio(r: dict[str, Any], base: dict[str, Any] | None, name: str, f: str) -> str:
+        if base is None:
+            return "-"
+        if f"vs_pods_{name}" in r:
+            lo, hi = r[f"vs_pods_{name}_spread"]
+            return f"{r[f'vs_pods_{name}']:.2f}× (spread {lo:.2f}–{hi:.2f})"
+        return f"{r[f] / base[f]:.2f}×"
+
     for r in headline:
         big = r is headline[-1] and target.get("checked")
         base = pods_mode.get(r["pods"]) if r.get("remote_pods") == "meshpods" else None
+        n = r.get("rounds", 1)
+        of = f"median of {n} rounds, " if n > 1 else ""
         cpu = f"agent CPU {r['agent_cpu_s']:.0f} s, API server CPU {r['api_cpu_s']:.0f} s"
         mode = f"--remote-pods {r.get('remote_pods', 'pods')}"
         out.append(("agent_scale", f"ready, {_k(r['pods'])} Pods + {_k(r['services'])} "
-                    f"Services ({mode}, --scope all)", f"{r['ready_s']:.1f} s",
+                    f"Services ({of}{mode}, --scope all)",
+                    f"{r['ready_s']:.1f} s{spread(r, 'ready_s', '{:.1f}')}",
                     f"every Pod listed: {base['ready_s']:.1f} s; {cpu}" if base else cpu,
-                    f"{r['ready_s'] / base['ready_s']:.2f}×" if base else "-",
+                    ratio(r, base, "ready", "ready_s"),
                     (("PASS" if target.get("ready_ok") else "MISS") + " (≤ 30 s at 100k)")
                     if big else "-"))
         uss = f"USS {r['agent_uss_mb']:.0f} MB; Envoy {r['envoy_rss_mb']:.0f} MB"
-        out.append(("agent_scale", f"agent RSS, {_k(r['pods'])} Pods ({mode})",
-                    f"{r['agent_rss_mb']:.0f} MB",
+        out.append(("agent_scale", f"agent RSS, {_k(r['pods'])} Pods ({of}{mode})",
+                    f"{r['agent_rss_mb']:.0f} MB{spread(r, 'agent_rss_mb', '{:.0f}')}",
                     f"every Pod listed: {base['agent_rss_mb']:.0f} MB; {uss}" if base else uss,
-                    f"{r['agent_rss_mb'] / base['agent_rss_mb']:.2f}×" if base else "-",
+                    ratio(r, base, "rss", "agent_rss_mb"),
                     (("PASS" if target.get("rss_ok") else "MISS") + " (≤ 300 MB at 100k)")
                     if big else "-"))
         ch = r["endpoint_change"]

@@ -1,8 +1,8 @@
 """Benchmark: the real `aether-agent run` process at cluster scale, its Envoy connected.
 
     python -m bench.agent_scale [--pods 50000,100000] [--services 10000] [--nodes 300]
-                                [--local 110] [--remote-pods meshpods,pods] [--quick]
-                                [--json OUT]
+                                [--local 110] [--remote-pods meshpods,pods] [--rounds 3]
+                                [--quick] [--json OUT]
 
 For each size, the project's test API server (``bench.scale_api``, a process of its own)
 holds a cluster: 50 managed namespaces, ``--services`` Services each with one EndpointSlice,
@@ -14,7 +14,10 @@ Envoy on, ``--remote-pods meshpods``: this node's Pods from the Pod API, the oth
 their records), with ``--scope all`` so every Service reaches its Envoy: the heaviest
 configuration. ``--remote-pods meshpods,pods`` also runs each size with every Pod of the
 cluster listed (the way before MeshPods), as the baseline of the same run, alternating
-which mode goes first.
+which mode goes first. ``--rounds N`` repeats every (size, mode) N times, the order of the
+modes alternating by round too; each figure is reported as the median of its rounds with
+their spread, the ratio against the every-Pod mode as the median of the per-round ratios, and
+the targets are judged on the medians (one run of a size spread 26–37 s to ready).
 
 Figures: time from the agent's start to ready (every kind listed into the model and Envoy
 holding a cluster per Service, read from Envoy's own stats), the agent's RSS and USS then
@@ -31,6 +34,7 @@ import argparse
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,9 +115,9 @@ class Cluster:
     entry: tuple[str, ...] = ("-m", "agent.cli")
 
     def __init__(self, root: str, pods: int, services: int, nodes: int, local: int,
-                 remote_pods: str = "meshpods") -> None:
+                 remote_pods: str = "meshpods", tag: str = "") -> None:
         self.remote_pods = remote_pods
-        self.dir = os.path.join(root, f"p{pods}-{remote_pods}")
+        self.dir = os.path.join(root, f"p{pods}-{remote_pods}{tag}")
         os.makedirs(self.dir)
         self.pods, self.services, self.nodes, self.local = pods, services, nodes, local
         self.api: subprocess.Popen[str] | None = None
@@ -234,10 +238,11 @@ class Cluster:
                     p.wait()
 
 
-def run_size(root: str, pods: int, mode: str, a: argparse.Namespace) -> dict[str, Any]:
-    c = Cluster(root, pods, a.services, a.nodes, a.local, mode)
+def run_size(root: str, pods: int, mode: str, a: argparse.Namespace, rnd: int = 1
+             ) -> dict[str, Any]:
+    c = Cluster(root, pods, a.services, a.nodes, a.local, mode, f"-r{rnd}")
     try:
-        progress(f"[{pods} pods, --remote-pods {mode}] loading the API server …")
+        progress(f"[round {rnd}, {pods} pods, --remote-pods {mode}] loading the API server …")
         load_s = c.start_api()
         progress(f"[{pods} pods] API server ready in {load_s:.1f} s; starting the agent "
                  f"(--remote-pods {mode}) …")
@@ -248,7 +253,8 @@ def run_size(root: str, pods: int, mode: str, a: argparse.Namespace) -> dict[str
         time.sleep(5.0)  # settled: the first publish behind it
         mem = c.memory()
         change = c.endpoint_change()
-        return {"pods": pods, "remote_pods": mode, "services": a.services, "ready_s": ready_s,
+        return {"round": rnd, "pods": pods, "remote_pods": mode, "services": a.services,
+                "ready_s": ready_s,
                 **cpu_ready,
                 "at_ready": mem_ready, **mem, "endpoint_change": change}
     except Exception:
@@ -258,27 +264,80 @@ def run_size(root: str, pods: int, mode: str, a: argparse.Namespace) -> dict[str
         c.stop()
 
 
-def report(results: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
+def _med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every (size, mode) over its rounds (pure): the median of each figure with its spread,
+    and against the every-Pod mode the median of the per-round ratios (the two modes of a
+    round ran back to back, so each ratio compares neighbours)."""
+    keys: list[tuple[int, str]] = []
+    for r in runs:
+        if (r["pods"], r["remote_pods"]) not in keys:
+            keys.append((r["pods"], r["remote_pods"]))
+    keys.sort(key=lambda k: (k[0], k[1] != "meshpods"))
+    by_round = {(r["pods"], r["remote_pods"], r.get("round", 1)): r for r in runs}
+    out: list[dict[str, Any]] = []
+    for pods, mode in keys:
+        rs = [r for r in runs if r["pods"] == pods and r["remote_pods"] == mode]
+        s: dict[str, Any] = {"pods": pods, "remote_pods": mode, "services": rs[0]["services"],
+                             "rounds": len(rs)}
+        for f in ("ready_s", "agent_cpu_s", "api_cpu_s", "agent_rss_mb", "agent_uss_mb",
+                  "envoy_rss_mb"):
+            xs = [float(r[f]) for r in rs]
+            s[f], s[f + "_spread"] = _med(xs), [min(xs), max(xs)]
+        s["at_ready_rss_mb"] = _med([float(r["at_ready"]["agent_rss_mb"]) for r in rs])
+        s["endpoint_change"] = {
+            f: _med([float(r["endpoint_change"][f]) for r in rs])
+            for f in ("seconds", "agent_cpu_s")}
+        if mode != "pods":
+            pairs = [(r, by_round.get((pods, "pods", r.get("round", 1)))) for r in rs]
+            pairs = [(r, b) for r, b in pairs if b is not None]
+            if pairs:
+                for f, name in (("ready_s", "ready"), ("agent_rss_mb", "rss")):
+                    ratios = [r[f] / b[f] for r, b in pairs]
+                    s[f"vs_pods_{name}"] = _med(ratios)
+                    s[f"vs_pods_{name}_spread"] = [min(ratios), max(ratios)]
+        out.append(s)
+    return out
+
+
+def report(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
     print(f"\nagent at cluster scale: {a.services} Services (one EndpointSlice each), realistic "
           f"Pods over {a.nodes} nodes ({a.local} on ours), --scope all, Envoy on")
-    head = (f"{'pods':>7} {'--remote-pods':>13} | {'ready s':>7} {'agent CPU':>9} {'API CPU':>7} | "
-            f"{'agent RSS MB':>12} {'USS MB':>7} | "
+    head = (f"{'round':>5} {'pods':>7} {'--remote-pods':>13} | {'ready s':>7} {'agent CPU':>9} "
+            f"{'API CPU':>7} | {'agent RSS MB':>12} {'USS MB':>7} | "
             f"{'Envoy RSS MB':>12} | {'1 Service endpoints → Envoy':>28}")
     print(head)
     print("-" * len(head))
-    for r in results:
+    for r in runs:
         ch = r["endpoint_change"]
-        print(f"{r['pods']:>7} {r['remote_pods']:>13} | {r['ready_s']:>7.1f} {r['agent_cpu_s']:>8.1f}s "
+        print(f"{r.get('round', 1):>5} {r['pods']:>7} {r['remote_pods']:>13} | "
+              f"{r['ready_s']:>7.1f} {r['agent_cpu_s']:>8.1f}s "
               f"{r['api_cpu_s']:>6.1f}s | {r['agent_rss_mb']:>12.0f} "
               f"{r['agent_uss_mb']:>7.0f} | {r['envoy_rss_mb']:>12.0f} | "
               f"{ch['seconds'] * 1000:>8.0f} ms, agent CPU {ch['agent_cpu_s'] * 1000:>5.0f} ms")
+    results = summarize(runs)
+    print("\nmedian of the rounds (spread):")
+    for s in results:
+        lo, hi = s["ready_s_spread"]
+        rlo, rhi = s["agent_rss_mb_spread"]
+        vs = ""
+        if "vs_pods_ready" in s:
+            vs = (f"; vs every Pod listed, same rounds: ready {s['vs_pods_ready']:.2f}×, "
+                  f"RSS {s['vs_pods_rss']:.2f}×")
+        print(f"  {s['pods']:>7} {s['remote_pods']:>9} ({s['rounds']} rounds): ready "
+              f"{s['ready_s']:.1f} s ({lo:.1f}–{hi:.1f}), agent RSS {s['agent_rss_mb']:.0f} MB "
+              f"({rlo:.0f}–{rhi:.0f}){vs}")
     slope = None
     headline = [r for r in results if r["remote_pods"] == "meshpods"] or results
     if len(headline) >= 2:
-        lo, hi = headline[0], headline[-1]
-        slope = (hi["agent_rss_mb"] - lo["agent_rss_mb"]) / ((hi["pods"] - lo["pods"]) / 10_000)
-        print(f"agent RSS growth: {slope:.1f} MB per 10k pods (between {lo['pods']} and "
-              f"{hi['pods']})")
+        lo_r, hi_r = headline[0], headline[-1]
+        slope = ((hi_r["agent_rss_mb"] - lo_r["agent_rss_mb"])
+                 / ((hi_r["pods"] - lo_r["pods"]) / 10_000))
+        print(f"agent RSS growth: {slope:.1f} MB per 10k pods (between {lo_r['pods']} and "
+              f"{hi_r['pods']}, medians)")
     print("  (ready = start → every kind in the model and a cluster per Service in Envoy; agent/API "
           "CPU = seconds each process used until then, on the same 2 CPUs: the test API server "
           "is Python and serializes every page, which a real API server does elsewhere)")
@@ -287,14 +346,14 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, An
     if at:
         r = at[-1]
         verdict.update(ready_ok=r["ready_s"] <= TARGET_READY_S,
-                       rss_ok=r["agent_rss_mb"] <= TARGET_RSS_MB)
-        print(f"at {r['pods']} pods (--remote-pods {r['remote_pods']}): ready "
-              f"{r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
+                       rss_ok=r["agent_rss_mb"] <= TARGET_RSS_MB, rounds=r["rounds"])
+        print(f"at {r['pods']} pods (--remote-pods {r['remote_pods']}, median of "
+              f"{r['rounds']} rounds): ready {r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
               f"{'PASS' if verdict['ready_ok'] else 'MISS'}; agent RSS "
               f"{r['agent_rss_mb']:.0f} MB (target ≤ {TARGET_RSS_MB:g} MB): "
               f"{'PASS' if verdict['rss_ok'] else 'MISS'}")
     return {"benchmark": "agent_scale", "machine": machine_info(), "services": a.services,
-            "nodes": a.nodes, "local": a.local, "results": results,
+            "nodes": a.nodes, "local": a.local, "runs": runs, "results": results,
             "rss_mb_per_10k_pods": slope, "targets": verdict}
 
 
@@ -309,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated agent modes: meshpods (the default: this node's Pods + "
                          "the other nodes' MeshPod records), pods (every Pod of the cluster); "
                          "with both, each size runs both, alternating which goes first")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every (size, mode), modes alternating; medians reported")
     ap.add_argument("--quick", action="store_true", help="CI smoke: --pods 5000 --services 500")
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--keep-workdir", action="store_true",
@@ -317,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.pods, a.services = "5000", 500
     sizes = [int(x) for x in str(a.pods).split(",") if x.strip()]
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if os.geteuid() != 0:
         ap.error("needs root (the agent pins netns and runs Envoy)")
     root = tempfile.mkdtemp(prefix="aether-bench-scale-")
@@ -325,11 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m.strip() for m in str(a.remote_pods).split(",") if m.strip()]
         if not modes or set(modes) - {"meshpods", "pods"}:
             ap.error("--remote-pods takes meshpods and/or pods")
-        results = []
-        for i, n in enumerate(sizes):
-            for mode in (modes if i % 2 == 0 else modes[::-1]):
-                results.append(run_size(root, n, mode, a))
-        out = report(results, a)
+        runs = []
+        for rnd in range(1, a.rounds + 1):
+            for i, n in enumerate(sizes):
+                for mode in (modes if (i + rnd) % 2 == 1 else modes[::-1]):
+                    runs.append(run_size(root, n, mode, a, rnd))
+        out = report(runs, a)
         if a.json:
             with open(a.json, "w") as f:
                 f.write(dumps(out) + "\n")
