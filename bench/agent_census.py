@@ -13,6 +13,7 @@ SIGUSR2 handlers; once the agent is ready it is signalled and writes, into ``--o
   untracked ones reachable from them (strings, bytes, atomic-only dicts and tuples), then the
   string and bytes "shapes" (digits folded to 9) holding the most memory: a string held once
   per endpoint instead of once per identity shows up as a shape far bigger than its count;
+  and the dict shapes (length, first keys; untracked ones by what they were reached from);
 - ``indexes.txt``: the long-lived holders' big dicts (entries, size, value shapes);
 - ``owners.txt``: the deep size of each holder's attributes, the store's by kind last;
 - ``mallocstats.txt``: ``sys._debugmallocstats()`` (pymalloc's arenas and blocks in use).
@@ -49,6 +50,12 @@ def _shape(value: str | bytes) -> str:
     return repr(re.sub(r"[0-9]", "9", value[:40]))
 
 
+def _dict_shape(d: dict[Any, Any]) -> str:
+    """A dict's length and first keys, digits folded (``{}`` for the empty one)."""
+    keys = sorted(re.sub(r"[0-9]", "9", str(k))[:20] for k in list(d)[:50])[:4]
+    return f"len {len(d)} {keys}"
+
+
 def census(out: str) -> None:
     """Write the census files into ``out`` (runs in the agent, on its main thread)."""
     gc.collect()
@@ -58,11 +65,17 @@ def census(out: str) -> None:
     ucount: collections.Counter[str] = collections.Counter()
     shapes: dict[str, collections.Counter[str]] = {"str": collections.Counter(),
                                                     "bytes": collections.Counter()}
+    dicts: collections.Counter[str] = collections.Counter()
+    ndicts: collections.Counter[str] = collections.Counter()
     seen: set[int] = set()
     for obj in gc.get_objects():
         name = type(obj).__name__
         count[name] += 1
         size[name] += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            shape = f"tracked {_dict_shape(obj)}"
+            dicts[shape] += sys.getsizeof(obj)
+            ndicts[shape] += 1
         # untracked objects (strings, and dicts/tuples holding only atomic values, which
         # gc stops tracking) reachable from it, through untracked containers too
         stack = list(gc.get_referents(obj))
@@ -77,7 +90,12 @@ def census(out: str) -> None:
             ucount[rname] += 1
             if isinstance(ref, (str, bytes)):
                 shapes[rname][_shape(ref)] += n
-            elif isinstance(ref, (dict, tuple)):
+            elif isinstance(ref, dict):
+                shape = f"in a {name}: {_dict_shape(ref)}"
+                dicts[shape] += n
+                ndicts[shape] += 1
+                stack.extend(gc.get_referents(ref))
+            elif isinstance(ref, tuple):
                 stack.extend(gc.get_referents(ref))
     with open(os.path.join(out, "census.txt"), "w") as f:
         f.write("gc-tracked objects: type, count, MB\n")
@@ -90,6 +108,10 @@ def census(out: str) -> None:
             f.write(f"\n{kind} shapes holding the most (MB)\n")
             for shape, n in by_shape.most_common(20):
                 f.write(f"{n / 2**20:8.1f}  {shape}\n")
+        f.write("\ndict shapes holding the most (MB, count; untracked ones by the type of the "
+                "tracked object they were reached from)\n")
+        for shape, n in dicts.most_common(25):
+            f.write(f"{n / 2**20:8.1f} {ndicts[shape]:8d}  {shape}\n")
     holders = _holders()
     with open(os.path.join(out, "indexes.txt"), "w") as f:
         f.write("dict attributes of the holders: entries, the dict itself (MB), its values "
