@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -187,11 +186,6 @@ def run(
     agent.on_exit_request = done.set
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    # At 100k Pods the agent holds millions of long-lived objects and allocates millions
-    # more decoding LIST pages. CPython's default thresholds (700, 10, 10) collect every 700
-    # allocations and walk the whole heap each time it grows by a quarter: ~3.6 s of a
-    # 100k-Pod start went to objects that are not garbage (bench.agent_scale; 0.9 s now).
-    gc.set_threshold(50_000, 20, 10)
     agent.start()
     done.wait()
     agent.stop()

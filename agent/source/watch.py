@@ -41,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from agent.backoff import backoff_delay
+from agent.heap import listing
 from agent.kube import KubeConfigError, abandon, api_client, done
 from agent.meshpods.record import API_VERSION as MESHPOD_API_VERSION
 from agent.meshpods.record import KIND as MESHPOD_KIND
@@ -221,7 +222,8 @@ class KubeWatcher:
         while not self.stop_event.is_set():
             try:
                 if st.resource_version is None:
-                    self._list(spec, st)
+                    with listing():  # no cycle collection over what the list decodes
+                        self._list(spec, st)
                 self._watch(spec, st)
                 failures = 0  # a watch that ran to its timeout is healthy; re-watch at once
             except Gone as exc:
