@@ -359,8 +359,9 @@ class Registry:
         else:
             self._slice_pods.pop(svc_key, None)
             self._slice_ips.pop(svc_key, None)
-        if sliced:
-            self._index_slices(svc_key)
+        if not sliced:
+            return False  # a selector's members do not follow its slices: nothing to re-match
+        self._index_slices(svc_key)
         return self._rematch_service(svc_key)
 
     def _selectorless(self, svc_key: str) -> bool:
