@@ -268,6 +268,10 @@ def _med(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _rounds(n: int) -> str:
+    return f"{n} round{'s' if n != 1 else ''}"
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every (size, mode) over its rounds (pure): the median of each figure with its spread,
     and against the every-Pod mode the median of the per-round ratios (the two modes of a
@@ -327,7 +331,7 @@ def report(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
         if "vs_pods_ready" in s:
             vs = (f"; vs every Pod listed, same rounds: ready {s['vs_pods_ready']:.2f}×, "
                   f"RSS {s['vs_pods_rss']:.2f}×")
-        print(f"  {s['pods']:>7} {s['remote_pods']:>9} ({s['rounds']} rounds): ready "
+        print(f"  {s['pods']:>7} {s['remote_pods']:>9} ({_rounds(s['rounds'])}): ready "
               f"{s['ready_s']:.1f} s ({lo:.1f}–{hi:.1f}), agent RSS {s['agent_rss_mb']:.0f} MB "
               f"({rlo:.0f}–{rhi:.0f}){vs}")
     slope = None
@@ -347,8 +351,9 @@ def report(runs: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any]:
         r = at[-1]
         verdict.update(ready_ok=r["ready_s"] <= TARGET_READY_S,
                        rss_ok=r["agent_rss_mb"] <= TARGET_RSS_MB, rounds=r["rounds"])
-        print(f"at {r['pods']} pods (--remote-pods {r['remote_pods']}, median of "
-              f"{r['rounds']} rounds): ready {r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
+        print(f"at {r['pods']} pods (--remote-pods {r['remote_pods']}, "
+              f"{'median of ' if r['rounds'] > 1 else ''}{_rounds(r['rounds'])}): ready "
+              f"{r['ready_s']:.1f} s (target ≤ {TARGET_READY_S:g} s): "
               f"{'PASS' if verdict['ready_ok'] else 'MISS'}; agent RSS "
               f"{r['agent_rss_mb']:.0f} MB (target ≤ {TARGET_RSS_MB:g} MB): "
               f"{'PASS' if verdict['rss_ok'] else 'MISS'}")
