@@ -265,41 +265,6 @@ def test_lists_come_in_pages_and_pods_are_slimmed(server: FakeApiServer, tmp_pat
         w.stop()
 
 
-def test_the_next_page_is_fetched_while_the_last_is_taken_in(server: FakeApiServer,
-                                                            tmp_path: Path) -> None:
-    """The agent does not wait for the API server between pages: page N+1 is requested
-    before page N's objects are normalised, and the list is still whole and in order."""
-    for i in range(30):
-        server.put_object(pod(f"p{i:02d}"))
-    log: list[str] = []
-
-    class Recording(KubeWatcher):
-        def _page(self, spec: Any, token: str) -> dict[str, Any]:
-            log.append(f"fetch {token or 'first'}")
-            return super()._page(spec, token)
-
-        def _normalise(self, spec: Any, obj: dict[str, Any]) -> dict[str, Any]:
-            if obj["metadata"]["name"].endswith("0"):  # the first item of each page of 10
-                time.sleep(0.05)  # the server has long answered the prefetch by now
-                log.append(f"take {obj['metadata']['name']}")
-            return super()._normalise(spec, obj)
-
-    store = ObjectStore()
-    w = Recording(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
-                  threading.Event(), request_timeout=5.0, list_page=10)
-    try:
-        w.start()
-        assert w.wait_synced(20)
-    finally:
-        w.stop()
-    assert sorted(names(store, "Pod")) == [f"p{i:02d}" for i in range(30)]
-    fetches = [i for i, e in enumerate(log) if e.startswith("fetch")]
-    takes = [log.index(f"take p{n}0") for n in range(3)]
-    assert len(fetches) == 3
-    # page 2 requested before page 1 is taken in, page 3 before page 2
-    assert fetches[1] < takes[0] and fetches[2] < takes[1], log
-
-
 def test_a_page_served_after_writes_is_of_the_first_page_snapshot(server: FakeApiServer) -> None:
     for i in range(5):
         server.put_object(pod(f"p{i}", v="1"))

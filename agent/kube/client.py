@@ -28,11 +28,6 @@ class KubeConfigError(Exception):
     """No usable config: the kubeconfig file or the in-cluster service account."""
 
 
-#: connections kept for a streaming client: a watch for each of ~12 kinds, and their lists'
-#: next pages
-STREAMING_POOL = 32
-
-
 def api_client(kubeconfig: str | None = None, *, context: str | None = None,
                streaming: bool = False) -> client.ApiClient:
     """A client from ``kubeconfig`` (and its ``context``), or the in-cluster service account
@@ -49,11 +44,6 @@ def api_client(kubeconfig: str | None = None, *, context: str | None = None,
         raise KubeConfigError(f"cannot load Kubernetes config from {where}: {exc}") from exc
     cfg.retries = (urllib3.Retry(total=1, connect=1, read=0, redirect=0, status=0) if streaming
                    else urllib3.Retry(total=1))
-    if streaming:
-        # a watch per kind holds a connection, and a list fetches its next page while it
-        # takes in the last: the default pool (5 a CPU: 10 on a 2-CPU node) would drop the
-        # extra connections on release and warn each time
-        cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, STREAMING_POOL)
     return client.ApiClient(cfg)
 
 

@@ -27,7 +27,6 @@ the store rather than turning into DELETED events (see ``agent.source.manifests`
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -295,38 +294,27 @@ class KubeWatcher:
         obj.setdefault("apiVersion", spec.api_version)
         return obj
 
-    def _page(self, spec: KindSpec, token: str) -> dict[str, Any]:
-        """One page of a LIST, decoded."""
-        query = {"limit": str(self.list_page)} if self.list_page > 0 else {}
-        if token:
-            query["continue"] = token
-        resp = self._request(spec, query, self.request_timeout)
-        try:
-            return cast(dict[str, Any], orjson.loads(resp.data))  # ~2x the stdlib's decode
-        finally:
-            resp.release_conn()
-
     def _list(self, spec: KindSpec, st: KindStatus) -> None:
-        """One consistent LIST in pages, each page normalised (Pods slimmed) while the next
-        is fetched: the API server serves a page while the agent takes in the last (at 100k
-        MeshPods, 200 pages, ~2.7 s of waiting for the server the agent no longer spends
-        idle). At most one page is held undecoded; a 410 on a later page (token expired)
-        raises ``Gone``."""
+        """One consistent LIST in pages (each page normalised, i.e. Pods slimmed, before
+        the next is read); a 410 on a later page (token expired) raises ``Gone``."""
         items: list[dict[str, Any]] = []
-        with concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"list-{spec.kind}") as fetcher:
-            pending = fetcher.submit(self._page, spec, "")
-            while True:
-                body = pending.result()
-                meta = body.get("metadata") or {}
-                token = str(meta.get("continue") or "")
-                if token and not self.stop_event.is_set():
-                    pending = fetcher.submit(self._page, spec, token)
-                items.extend(self._normalise(spec, o) for o in body.get("items") or [])
-                if not token:
-                    break
-                if self.stop_event.is_set():
-                    return
+        token = ""
+        while True:
+            query = {"limit": str(self.list_page)} if self.list_page > 0 else {}
+            if token:
+                query["continue"] = token
+            resp = self._request(spec, query, self.request_timeout)
+            try:
+                body = orjson.loads(resp.data)  # ~2x the stdlib's decode: 200 pages at 100k
+            finally:
+                resp.release_conn()
+            items.extend(self._normalise(spec, o) for o in body.get("items") or [])
+            meta = body.get("metadata") or {}
+            token = str(meta.get("continue") or "")
+            if not token:
+                break
+            if self.stop_event.is_set():
+                return
         rv = str(meta.get("resourceVersion") or "")
         events = self.store.replace_kind(spec.kind, items)
         st.lists += 1
