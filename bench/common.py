@@ -253,8 +253,11 @@ def bench_cli(prog: str, doc: str | None, tool: str, tool_hint: str, prefix: str
     workdir = tempfile.mkdtemp(prefix=prefix)
     try:
         out = run(rounds, duration, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    except BaseException:
+        # the agent's and Envoy's logs are the only account of what went wrong
+        print(f"{prog}: failed; workdir kept: {workdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
     out["machine"] = machine_info()
     if args.json:
         with open(args.json, "w") as f:
