@@ -575,10 +575,8 @@ def build_inbound_deliver_cluster(bind: address_pb2.BindConfig, connect_timeout_
         lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
         connect_timeout=duration(connect_timeout_s), upstream_bind_config=bind,
         connection_pool_per_downstream_connection=True)
-    opts = upstream_http_protocol_options(None)  # the caller's HTTP version
-    # HTTP deliveries: the pool lives as long as its downstream (one connection); do not keep the
-    # connection to the application open past it
-    opts.common_http_protocol_options.idle_timeout.CopyFrom(duration(5.0))
-    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
+    # the caller's HTTP version; idle connections to the application close soon after it
+    c.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
+        upstream_http_protocol_options(None))
     unlimited_circuit_breakers(c)
     return c

@@ -532,19 +532,9 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     if tunnel:
         from agent.envoy.http_routes import port_protocol
         mtls.set_hop_metadata(cluster, port_protocol(sp) if sp is not None else "detect")
-    opts = upstream_http_protocol_options(sp.app_protocol if sp is not None else None)
-    # Pools are per downstream connection: once the caller has gone, the pool's idle upstream
-    # connection serves nobody, and Envoy's default keeps it an hour. Callers opening a
-    # connection a request exhausted the node Envoy's descriptors that way (20,000, in
-    # bench.mesh_mtls's new-connection rounds) and it crashed (SIGSEGV after "socket(2)
-    # failed: Too many open files"); the inbound delivery cluster has the same bound.
-    opts.common_http_protocol_options.idle_timeout.CopyFrom(duration(PER_DOWNSTREAM_IDLE_S))
-    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(opts)
+    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
+        upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
     return cluster
-
-
-#: seconds an upstream HTTP connection of a per-downstream pool may idle (see above)
-PER_DOWNSTREAM_IDLE_S = 5.0
 
 
 def _or(value: int | None, default: int) -> int:

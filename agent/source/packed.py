@@ -34,6 +34,9 @@ _LAYOUTS: dict[Shape, _Layout] = {}
 LAYOUTS_MAX = 4096  # shapes are the few combinations of optional fields; past this, unshared
 
 
+_MISSING = object()
+
+
 class Packed(Mapping[str, Any]):
     """A read-only object packed by ``pack``; equal to the dict it was packed from."""
 
@@ -44,13 +47,14 @@ class Packed(Mapping[str, Any]):
         self._values = values
 
     def __getitem__(self, key: str) -> Any:
-        i, sub = self._layout.where[key]
-        if sub is None:
-            return self._values[i]
-        return dict(zip(sub, self._values[i:i + len(sub)], strict=True))
+        got = self.get(key, _MISSING)
+        if got is _MISSING:
+            raise KeyError(key)
+        return got
 
     def get(self, key: str, default: Any = None) -> Any:
-        # not through __getitem__: the registry reads ~7 keys of each of 100k remote pods
+        # the lookup itself (not through Mapping.get's __getitem__ and KeyError): the
+        # registry reads ~7 keys of each of 100k remote pods
         where = self._layout.where.get(key)
         if where is None:
             return default
