@@ -22,7 +22,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from agent.kube.client import raw_options
+from agent.kube.client import done, raw_options
+from agent.kube.rest import CoordinationV1
 
 log = logging.getLogger("aether.gamma.lease")
 
@@ -53,7 +54,7 @@ class LeaseElector:
         on_change: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.coord: Any = client.CoordinationV1Api(api)
+        self.coord = CoordinationV1(api)
         self.identity = identity
         self.namespace, self.name = namespace, name
         self.lease_seconds = max(1, math.ceil(lease_duration))  # the API field is an int
@@ -218,7 +219,7 @@ class LeaseElector:
         spec.update({"holderIdentity": None, "renewTime": micro_time()})
         body["spec"] = {k: v for k, v in spec.items() if v is not None}
         try:
-            self.coord.replace_namespaced_lease(self.name, self.namespace, body, **self._opts())
+            done(self.coord.replace_namespaced_lease(self.name, self.namespace, body, **self._opts()))
             log.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         except Exception as e:  # noqa: BLE001 - the lease then simply expires
             log.warning("lease %s/%s not released (%s): it expires in %ss", self.namespace,

@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.conditions import GATEWAY_GROUP, ParentStatus
 from agent.kube.client import raw_options
+from agent.kube.rest import CustomObjects
 from agent.loops import DebouncedLoop
 from agent.scope.routes import ParentRef
 
@@ -164,7 +165,7 @@ class StatusWriter:
 
     def __init__(self, api: client.ApiClient, controller_name: str = DEFAULT_CONTROLLER_NAME,
                  lease: Leader | None = None, *, timeout: float = 5.0, attempts: int = 5) -> None:
-        self.custom: Any = client.CustomObjectsApi(api)  # raw JSON in and out
+        self.custom = CustomObjects(api)  # raw JSON in and out
         self.controller_name = controller_name
         self.lease: Leader = lease or AlwaysLeader()
         self.timeout = timeout

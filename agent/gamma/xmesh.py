@@ -22,7 +22,8 @@ from kubernetes.client.exceptions import ApiException
 
 from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.status import AlwaysLeader, Leader
-from agent.kube.client import raw_options
+from agent.kube.client import done, raw_options
+from agent.kube.rest import CustomObjects
 
 log = logging.getLogger("aether.gamma.xmesh")
 
@@ -95,7 +96,7 @@ class XMeshPublisher:
                  features: Iterable[str] = SUPPORTED_FEATURES, create_missing: bool = False,
                  lease: Leader | None = None, discovery_interval: float = 300.0,
                  timeout: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.custom: Any = client.CustomObjectsApi(api)
+        self.custom = CustomObjects(api)
         self.controller_name = controller_name
         self.identity = identity
         self.name = name
@@ -193,8 +194,8 @@ class XMeshPublisher:
         body["status"] = want
         name = str((obj.get("metadata") or {}).get("name"))
         try:
-            self.custom.replace_cluster_custom_object_status(GROUP, VERSION, PLURAL, name, body,
-                                                             **self._opts())
+            done(self.custom.replace_cluster_custom_object_status(GROUP, VERSION, PLURAL, name,
+                                                                  body, **self._opts()))
         except ApiException as e:
             if e.status in (404, 409):  # gone or changed: the next pass re-lists
                 return

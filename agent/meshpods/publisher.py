@@ -16,19 +16,20 @@ from kubernetes import client
 
 from agent.kube import done
 from agent.kube.owned import Desired, ObjectSource, OwnedLoop, OwnedWriter, RawApi, raw_json
+from agent.kube.rest import CustomObjects
 from agent.meshpods.record import GROUP, JSON, PLURAL, VERSION, desired_records, owned_selector
 
 COMPARED = ("spec",)
 
 
 class _MeshPodApi(RawApi):
-    """MeshPods through CustomObjectsApi, raw JSON in and out."""
+    """MeshPods as custom objects, raw JSON in and out."""
 
     kind = "MeshPod"
 
     def __init__(self, api: client.ApiClient, timeout: float) -> None:
         super().__init__(timeout)
-        self.custom: Any = client.CustomObjectsApi(api)
+        self.custom = CustomObjects(api)
 
     def list_owned(self, selector: str) -> list[JSON]:
         resp = self.custom.list_custom_object_for_all_namespaces(

@@ -23,6 +23,7 @@ from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attemp
 from agent.install import conflist as cl
 from agent.install.installer import read_configs
 from agent.kube import done
+from agent.kube.rest import CoreV1
 
 log = logging.getLogger("aether.node")
 
@@ -47,7 +48,7 @@ class NodeReadiness:
         if not isinstance(api, client.ApiClient):
             from agent.kube import api_client
             api = api_client(api)
-        self.core = client.CoreV1Api(api)
+        self.core = CoreV1(api)
         self.node_name = node_name
         self.timeout = timeout
         self.attempts = attempts

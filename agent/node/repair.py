@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from agent.capture.policy import decide
 from agent.config import NodeConfig
 from agent.kube import done
+from agent.kube.rest import CoreV1
 from agent.source.base import PodEvent
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 
@@ -76,7 +77,7 @@ class RepairLoop:
                  resync: float = 60.0, timeout: float = 5.0) -> None:
         if mode not in MODES:
             raise ValueError(f"--repair must be one of {', '.join(MODES)}, not {mode!r}")
-        self.core = client.CoreV1Api(api)
+        self.core = CoreV1(api)
         self.node = node
         self.captured_uids = captured_uids
         self.record_event = record_event
@@ -172,7 +173,7 @@ class RepairLoop:
                 "deleteOptions": {"preconditions": {"uid": pod.uid}}}
         try:
             resp: Any = self.core.create_namespaced_pod_eviction(
-                pod.name, pod.namespace, body,  # type: ignore[arg-type]  # plain dict is sent
+                pod.name, pod.namespace, body,
                 _preload_content=False, _request_timeout=(self.timeout, self.timeout))
             done(resp)
             return "evicted"
@@ -184,7 +185,7 @@ class RepairLoop:
         try:
             resp = self.core.delete_namespaced_pod(
                 pod.name, pod.namespace,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=pod.uid)),
+                body={"preconditions": {"uid": pod.uid}},
                 _preload_content=False, _request_timeout=(self.timeout, self.timeout))
             done(resp)
         except ApiException as e:

@@ -27,6 +27,7 @@ from agent.kube.owned import (
     raw_json,
     unchanged,
 )
+from agent.kube.rest import DiscoveryV1
 from agent.scope.model import ServiceView
 from agent.slices.project import (
     JSON,
@@ -46,13 +47,13 @@ SliceWriteError = WriteError
 
 
 class _SliceApi(RawApi):
-    """EndpointSlices through DiscoveryV1Api, raw JSON in and out (no model classes)."""
+    """EndpointSlices through the discovery API, raw JSON in and out (no model classes)."""
 
     kind = "EndpointSlice"
 
     def __init__(self, api: client.ApiClient, timeout: float) -> None:
         super().__init__(timeout)
-        self.discovery: Any = client.DiscoveryV1Api(api)
+        self.discovery = DiscoveryV1(api)
 
     def list_owned(self, selector: str) -> list[JSON]:
         resp = self.discovery.list_endpoint_slice_for_all_namespaces(

@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import urllib3
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tenacity import (
     RetryCallState,
@@ -30,6 +29,7 @@ from tenacity import (
 )
 
 from agent.kube import KubeConfigError, api_client, done
+from agent.kube.rest import CoreV1
 from agent.source.base import PodEvent, SourceError
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 
@@ -77,7 +77,7 @@ class KubeSource:
         self.retry_budget = retry_budget
         self.max_attempts = max_attempts
         self.request_timeout = request_timeout
-        self._core = client.CoreV1Api(self._api)
+        self._core = CoreV1(self._api)
 
     @property
     def host(self) -> str:
@@ -119,7 +119,7 @@ class KubeSource:
         def post() -> None:
             resp: Any = self._core.create_namespaced_event(  # raw urllib3 response
                 event.namespace,
-                body,  # type: ignore[arg-type]  # a plain dict is accepted and sent verbatim
+                body,
                 _preload_content=False,
                 _request_timeout=self._timeout(deadline - time.monotonic()),
             )
