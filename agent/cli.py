@@ -104,6 +104,8 @@ def run(
             proxy.problem)
     from agent.heap import tune_gc
     tune_gc()  # listing a cluster: see agent.heap
+    from agent.limits import raise_nofile
+    raise_nofile()  # before Envoy starts: it inherits the limit (agent.limits)
     node = NodeConfig(
         node_name=node_name, run_dir=run_dir, capture_port=capture_port, mesh_port=mesh_port,
         passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),
