@@ -1,8 +1,8 @@
 """The agent's open-file limit, which its Envoy inherits.
 
 The node Envoy holds two descriptors per proxied connection (plus listeners in every pod's
-netns) for the whole node, where a sidecar holds one pod's. At the 20,000 a shell often
-starts with, a burst of connections made it fail ``socket(2)`` with EMFILE and then crash
+netns) for the whole node, where a sidecar holds one pod's. At the 20,000 of the machine the
+benchmarks run on, a burst of connections made it fail ``socket(2)`` with EMFILE and crash
 (bench/README.md, eleventh session). So ``aether-agent run`` raises its soft limit to the
 hard one (allowed to anyone: containers commonly get a hard limit of 524288 or 1048576 from
 their runtime, the systemd unit sets LimitNOFILE) and, when it may (CAP_SYS_RESOURCE, which
