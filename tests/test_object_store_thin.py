@@ -141,3 +141,23 @@ def test_thinning_twice_and_odd_digits_change_nothing() -> None:
     store.thin(["EndpointSlice"])  # the held values are held already
     assert [(o["metadata"]["name"], o["metadata"]["resourceVersion"])
             for o in store.of_kind("EndpointSlice")] == [("web-a", "²"), ("web-b", "12")]
+
+
+def test_a_thin_kind_is_keyed_by_the_pods_own_interned_key() -> None:
+    """No key tuple per object: the inner key is the very ``<ns>/<name>`` string the mesh
+    model keys the pod by, and readers still see (kind, namespace, name)."""
+    from agent.ids import pod_key
+
+    store = ObjectStore()
+    store.thin(["MeshPod"])
+    obj = {"kind": "MeshPod", "metadata": {"name": "web-1", "namespace": "shop",
+                                           "resourceVersion": "7"}}
+    store.apply(WatchEvent("ADDED", "MeshPod", obj))
+    (inner,) = store._kinds["MeshPod"]
+    assert inner is pod_key("shop", "web-1")
+    got = store.get("MeshPod", "shop", "web-1")
+    assert isinstance(got, Stub) and got["metadata"] == {"name": "web-1", "namespace": "shop",
+                                                         "resourceVersion": "7"}
+    assert list(store.snapshot()) == [("MeshPod", "shop", "web-1")]
+    assert store.replace_kind("MeshPod", []) and store.get("MeshPod", "shop", "web-1") is None
+    assert store.counts() == {}

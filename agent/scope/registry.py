@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.capture.policy import managed
@@ -36,25 +36,145 @@ from agent.source.objects import PodObject
 
 
 @dataclass(frozen=True, slots=True)
-class PodRecord:
-    """One managed pod as the mesh sees it (an endpoint, possibly local)."""
+class _Shape:
+    """What a pod has in common with the other pods of its ReplicaSet (one object for all of
+    them): everything a PodRecord holds but its key, uid, IPs and node."""
 
     namespace: str
-    name: str
-    uid: str = ""
-    service_account: str = "default"
-    ips: tuple[str, ...] = ()
-    node_name: str = ""
-    ready: bool = False
-    terminating: bool = False
-    local: bool = False
-    labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
-    named_ports: dict[str, int] = field(default_factory=dict)
-    sources: frozenset[str] = frozenset()
-    # what the API says beyond the endpoint, for deciding whether it is one
-    host_network: bool = False
-    finished: bool = False  # Succeeded or Failed: no endpoint, even while the object lingers
+    service_account: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    named_ports: dict[str, int]
+    sources: frozenset[str]
+    ready: bool
+    terminating: bool
+    local: bool
+    host_network: bool
+    finished: bool
+    identity: str  # <ns>/<sa>, interned: every endpoint of the pod holds it
+
+
+#: shapes by their parts (the maps by identity: they are ``shared`` ones, kept alive here)
+_SHAPES: dict[tuple[Any, ...], _Shape] = {}
+_SHAPES_MAX = 1 << 17
+_SANS: dict[tuple[str, str], str] = {}  # (trust domain, identity) → SPIFFE ID, interned
+
+
+def _shape(namespace: str, service_account: str, labels: dict[str, str],
+           annotations: dict[str, str], named_ports: dict[str, int], sources: frozenset[str],
+           ready: bool, terminating: bool, local: bool, host_network: bool,
+           finished: bool) -> _Shape:
+    key = (namespace, service_account, id(labels), id(annotations), id(named_ports), sources,
+           ready, terminating, local, host_network, finished)
+    got = _SHAPES.get(key)
+    if got is None or got.labels is not labels or got.annotations is not annotations \
+            or got.named_ports is not named_ports:
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()  # only sharing is lost: records keep their shapes
+        got = _SHAPES[key] = _Shape(
+            sys.intern(namespace), sys.intern(service_account), labels, annotations,
+            named_ports, sources, ready, terminating, local, host_network, finished,
+            sys.intern(f"{namespace}/{service_account}"))
+    return got
+
+
+_EMPTY: dict[str, Any] = {}
+
+
+class PodRecord:
+    """One managed pod as the mesh sees it (an endpoint, possibly local).
+
+    Immutable. Holds its key, uid, IPs and node, and a ``_Shape`` shared with the pods of its
+    ReplicaSet for the rest: the registry holds one per pod of the cluster, and as a
+    15-field dataclass with its own name string it was ~230 bytes a pod (23 MB at 100k)."""
+
+    __slots__ = ("key", "uid", "ips", "node_name", "_shape")
+
+    key: PodKey
+    uid: str
+    ips: tuple[str, ...]
+    node_name: str
+    _shape: _Shape
+
+    def __init__(self, namespace: str, name: str, uid: str = "",
+                 service_account: str = "default", ips: tuple[str, ...] = (),
+                 node_name: str = "", ready: bool = False, terminating: bool = False,
+                 local: bool = False, labels: dict[str, str] | None = None,
+                 annotations: dict[str, str] | None = None,
+                 named_ports: dict[str, int] | None = None,
+                 sources: frozenset[str] = frozenset(), host_network: bool = False,
+                 finished: bool = False) -> None:
+        init = object.__setattr__
+        init(self, "key", pod_key(namespace, name))
+        init(self, "uid", uid)
+        init(self, "ips", tuple(ips))
+        init(self, "node_name", node_name)
+        init(self, "_shape", _shape(namespace, service_account, labels or _EMPTY,
+                                    annotations or _EMPTY, named_ports or _EMPTY, sources,
+                                    ready, terminating, local, host_network, finished))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"PodRecord is immutable (set {name})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PodRecord):
+            return NotImplemented
+        return (self.key == other.key and self.uid == other.uid and self.ips == other.ips
+                and self.node_name == other.node_name
+                and (self._shape is other._shape or self._shape == other._shape))
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.uid, self.ips, self.node_name))
+
+    def __repr__(self) -> str:
+        s = self._shape
+        return (f"PodRecord({self.key} uid={self.uid!r} sa={s.service_account} ips={self.ips} "
+                f"node={self.node_name!r} ready={s.ready} local={s.local})")
+
+    # ---- the shared part -------------------------------------------------------------------
+
+    namespace = property(lambda self: self._shape.namespace)
+    service_account = property(lambda self: self._shape.service_account)
+    labels = property(lambda self: self._shape.labels)
+    annotations = property(lambda self: self._shape.annotations)
+    named_ports = property(lambda self: self._shape.named_ports)
+    sources = property(lambda self: self._shape.sources)
+    ready = property(lambda self: self._shape.ready)
+    terminating = property(lambda self: self._shape.terminating)
+    local = property(lambda self: self._shape.local)
+    host_network = property(lambda self: self._shape.host_network)
+    finished = property(lambda self: self._shape.finished)  # Succeeded/Failed: no endpoint
+
+    @property
+    def name(self) -> str:
+        return self.key.partition("/")[2]
+
+    @property
+    def identity(self) -> str:
+        """``<ns>/<sa>``, interned (every endpoint of the pod holds it)."""
+        return self._shape.identity
+
+    def san(self, trust_domain: str) -> str:
+        got = _SANS.get((trust_domain, self._shape.identity))
+        if got is None:
+            s = self._shape
+            got = sys.intern(spiffe_id(trust_domain, s.namespace, s.service_account))
+            if len(_SANS) >= _SHAPES_MAX:
+                _SANS.clear()
+            _SANS[(trust_domain, s.identity)] = got
+        return got
+
+    def evolve(self, **changes: Any) -> PodRecord:
+        """A copy with ``changes`` (the constructor's keywords)."""
+        s = self._shape
+        kw: dict[str, Any] = {
+            "namespace": s.namespace, "name": self.name, "uid": self.uid,
+            "service_account": s.service_account, "ips": self.ips, "node_name": self.node_name,
+            "ready": s.ready, "terminating": s.terminating, "local": s.local,
+            "labels": s.labels, "annotations": s.annotations, "named_ports": s.named_ports,
+            "sources": s.sources, "host_network": s.host_network, "finished": s.finished}
+        kw.update(changes)
+        return PodRecord(**kw)
 
     @classmethod
     def of_api(cls, obj: PodObject, node_name: str) -> PodRecord:
@@ -76,28 +196,17 @@ class PodRecord:
 
     def meta(self) -> PodMeta:
         """As ``managed`` reads a pod."""
-        return PodMeta(namespace=self.namespace, name=self.name, uid=self.uid,
-                       labels=self.labels, annotations=self.annotations,
-                       service_account=self.service_account, node_name=self.node_name,
-                       host_network=self.host_network)
-
-    @property
-    def key(self) -> PodKey:
-        return pod_key(self.namespace, self.name)
-
-    @property
-    def identity(self) -> str:
-        # interned, as the SAN: every endpoint of the pod holds them (10 per pod at 100k)
-        return sys.intern(f"{self.namespace}/{self.service_account}")
-
-    def san(self, trust_domain: str) -> str:
-        return sys.intern(spiffe_id(trust_domain, self.namespace, self.service_account))
+        s = self._shape
+        return PodMeta(namespace=s.namespace, name=self.name, uid=self.uid,
+                       labels=s.labels, annotations=s.annotations,
+                       service_account=s.service_account, node_name=self.node_name,
+                       host_network=s.host_network)
 
     def target_port(self, target: int | str) -> int | None:
         """A Service targetPort in this pod: ints as is, names via the containers' ports."""
         if isinstance(target, int):
             return target
-        return self.named_ports.get(target)
+        return self._shape.named_ports.get(target)
 
 
 @dataclass(frozen=True)
@@ -407,9 +516,9 @@ class Registry:
         ips = obj.ips
         if not ips or (reg.uid and obj.uid and reg.uid != obj.uid):
             ips = reg.ips  # the CNI saw the sandbox before the API reported it
-        return replace(obj, uid=obj.uid or reg.uid, ips=ips,
-                       ready=obj.ready or (reg.ready and not obj.ips), local=True,
-                       sources=_API_CNI)
+        return obj.evolve(uid=obj.uid or reg.uid, ips=ips,
+                          ready=obj.ready or (reg.ready and not obj.ips), local=True,
+                          sources=_API_CNI)
 
     def _refresh_pods(self, keys: set[str]) -> tuple[set[str], set[str]]:
         affected: set[str] = set()

@@ -11,6 +11,7 @@ index converges to the truth either way.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -114,6 +115,23 @@ def _shown(key: ObjKey, held: Any) -> Any:
     return held
 
 
+#: How a kind's objects are keyed inside the store: ObjKey tuples, or for a thin kind the
+#: interned ``<ns>/<name>`` (the very string the mesh model keys a remote pod by: at 100k
+#: MeshPods a tuple each, and the name string it alone kept, were ~14 MB).
+Inner = ObjKey | str
+
+
+def _inner(key: ObjKey) -> str:
+    return sys.intern(f"{key[1]}/{key[2]}")
+
+
+def _outer(kind: str, inner: Inner) -> ObjKey:
+    if isinstance(inner, str):
+        ns, _, name = inner.partition("/")  # names and namespaces hold no "/"
+        return (kind, ns, name)
+    return inner
+
+
 class ObjectStore:
     """Thread-safe index of the latest object per (kind, ns, name), with ordered callbacks.
 
@@ -126,7 +144,7 @@ class ObjectStore:
         self._lock = threading.RLock()
         # the objects by kind, the only index: readers ask for one kind of a store holding
         # 100k Pods, and a second, flat index cost a dict entry an object
-        self._kinds: dict[str, dict[ObjKey, Any]] = {}  # objects, or a thin kind's _held
+        self._kinds: dict[str, dict[Inner, Any]] = {}  # objects, or a thin kind's _held
         self._subscribers: list[Callback] = []
         self._thin: frozenset[str] = frozenset()
 
@@ -140,8 +158,14 @@ class ObjectStore:
             self._thin = self._thin | frozenset(kinds)
             for kind in self._thin:
                 objs = self._kinds.get(kind) or {}
-                for key, obj in objs.items():
-                    objs[key] = _held(obj)
+                self._kinds[kind] = {_inner(_outer(kind, k)): _held(obj) for k, obj in objs.items()}
+
+    def _key(self, key: ObjKey) -> Inner:
+        return _inner(key) if key[0] in self._thin else key
+
+    def _items(self, kind: str) -> list[tuple[ObjKey, Any]]:
+        """A kind's (ObjKey, held) pairs."""
+        return [(_outer(kind, k), o) for k, o in (self._kinds.get(kind) or {}).items()]
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -149,16 +173,16 @@ class ObjectStore:
         with self._lock:
             objs = self._kinds.get(kind)
             key = (kind, namespace, name)
-            held = objs.get(key) if objs else None
+            held = objs.get(self._key(key)) if objs else None
             return None if held is None else _shown(key, held)
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:
-            return [_shown(k, o) for k, o in sorted((self._kinds.get(kind) or {}).items())]
+            return [_shown(k, o) for k, o in sorted(self._items(kind))]
 
     def snapshot(self) -> dict[ObjKey, dict[str, Any]]:
         with self._lock:
-            return {k: _shown(k, o) for objs in self._kinds.values() for k, o in objs.items()}
+            return {k: _shown(k, o) for kind in self._kinds for k, o in self._items(kind)}
 
     def counts(self) -> dict[str, int]:
         """Objects held per kind, from the by-kind index (no pass over the objects)."""
@@ -210,18 +234,19 @@ class ObjectStore:
         key = object_key(event.kind, event.obj)
         with self._lock:
             objs = self._kinds.setdefault(event.kind, {})
-            old = objs.get(key)
+            inner = self._key(key)
+            old = objs.get(inner)
             if old is not None:
                 old = _shown(key, old)
             if event.type == "DELETED":
                 if old is None:
                     return None
-                del objs[key]
+                del objs[inner]
                 out = WatchEvent("DELETED", event.kind, event.obj)
             else:
                 if old is not None and _same(old, event.obj):
                     return None
-                objs[key] = _held(event.obj) if event.kind in self._thin else event.obj
+                objs[inner] = _held(event.obj) if event.kind in self._thin else event.obj
                 out = WatchEvent("ADDED" if old is None else "MODIFIED", event.kind, event.obj)
             self._publish(out)
             return out
@@ -230,7 +255,7 @@ class ObjectStore:
         """Make ``objects`` the complete set of ``kind`` (a LIST or relist); returns the diff."""
         new = {object_key(kind, o): o for o in objects}
         with self._lock:
-            old = {k: _shown(k, o) for k, o in (self._kinds.get(kind) or {}).items()}
+            old = {k: _shown(k, o) for k, o in self._items(kind)}
             events = diff_snapshots(old, new)
             for ev in events:
                 self.apply(ev)
@@ -244,8 +269,7 @@ class ObjectStore:
             wanted = set(kinds) if kinds is not None else (
                 {k[0] for k in objects} | {k for k, objs in self._kinds.items() if objs}
             )
-            old = {k: _shown(k, o) for kind in wanted
-                   for k, o in (self._kinds.get(kind) or {}).items()}
+            old = {k: _shown(k, o) for kind in wanted for k, o in self._items(kind)}
             new = {k: o for k, o in objects.items() if k[0] in wanted}
             events = diff_snapshots(old, new)
             for ev in events:

@@ -1,0 +1,48 @@
+"""PodRecord: one per pod of the cluster, so what pods of a ReplicaSet share is held once."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.scope.registry import PodRecord
+
+PORTS = {"http": 8080}  # shared maps, as the registry's are (agent.source.model.shared)
+
+
+def _rec(name: str, **kw: object) -> PodRecord:
+    base: dict[str, object] = dict(
+        namespace="shop", name=name, service_account="web", ips=("10.0.0.1",),
+        node_name="n1", ready=True, labels={"app": "web"}, named_ports=PORTS)
+    base.update(kw)
+    labels = base.pop("labels")
+    return PodRecord(labels=labels, **base)  # type: ignore[arg-type]
+
+
+def test_pods_of_one_replicaset_share_their_shape_and_read_as_before() -> None:
+    labels = {"app": "web"}
+    a, b = _rec("web-1", labels=labels), _rec("web-2", labels=labels, ips=("10.0.0.2",))
+    assert a._shape is b._shape
+    assert (a.namespace, a.name, a.key, a.service_account) == ("shop", "web-1", "shop/web-1", "web")
+    assert a.labels is labels and a.ready and not a.local and a.target_port("http") == 8080
+    assert a.identity == "shop/web" and a.san("td") == "spiffe://td/ns/shop/sa/web"
+    assert a.san("td") is b.san("td")
+
+
+def test_equality_follows_every_field_and_records_are_immutable() -> None:
+    labels = {"app": "web"}
+    a = _rec("web-1", labels=labels)
+    assert a == _rec("web-1", labels=labels) and hash(a) == hash(_rec("web-1", labels=labels))
+    assert a == _rec("web-1", labels={"app": "web"})  # equal maps, other objects
+    assert a != _rec("web-1", labels=labels, ready=False)
+    assert a != _rec("web-1", labels=labels, ips=("10.0.0.9",))
+    assert a != _rec("web-1", labels={"app": "api"})
+    with pytest.raises(AttributeError):
+        a.uid = "x"  # type: ignore[misc]
+
+
+def test_evolve_changes_only_what_it_is_given() -> None:
+    a = _rec("web-1")
+    b = a.evolve(uid="u1", local=True, sources=frozenset({"api", "cni"}))
+    assert (b.uid, b.local, b.sources) == ("u1", True, frozenset({"api", "cni"}))
+    assert (b.key, b.ips, b.labels, b.ready) == (a.key, a.ips, a.labels, a.ready)
+    assert not a.local and a.uid == ""
