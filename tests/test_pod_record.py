@@ -46,3 +46,20 @@ def test_evolve_changes_only_what_it_is_given() -> None:
     assert (b.uid, b.local, b.sources) == ("u1", True, frozenset({"api", "cni"}))
     assert (b.key, b.ips, b.labels, b.ready) == (a.key, a.ips, a.labels, a.ready)
     assert not a.local and a.uid == ""
+
+
+def test_the_registry_knows_a_record_from_a_meshpod_from_one_from_the_pod() -> None:
+    """What the model used to keep a set of 100k keys for."""
+    from agent.config import NodeConfig
+    from agent.scope.registry import Registry
+
+    reg = Registry(NodeConfig(node_name="n1"))
+    obj = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "web-1", "namespace": "shop", "labels": {"app": "web"}},
+           "spec": {"nodeName": "n2"}, "status": {"podIP": "10.0.0.5"}}
+    reg.upsert_pod(obj, remote=True)  # type: ignore[arg-type]
+    assert reg.is_remote("shop/web-1") and reg.api_pod("shop/web-1") is not None
+    reg.upsert_pod(obj)  # type: ignore[arg-type]  # the Pod itself takes over
+    assert not reg.is_remote("shop/web-1") and reg.api_pod("shop/web-1") is not None
+    reg.remove_pod("shop", "web-1")
+    assert not reg.is_remote("shop/web-1") and reg.api_pod("shop/web-1") is None

@@ -35,6 +35,7 @@ from agent.scope.services import (
 )
 from agent.scope.small_sets import Bucket, add_to, discard_from
 from agent.source.base import WatchEvent
+from agent.source.model import shared
 from agent.source.objects import (
     BackendTrafficPolicyObject,
     EndpointSliceObject,
@@ -115,11 +116,12 @@ class _Slice:
     ips: tuple[str, ...]
     ports: dict[str, int]
     # address → (forZones, forNodes) of the endpoints the EndpointSlice controller hinted
-    hints: dict[str, Hint] = field(default_factory=dict)
+    hints: dict[str, Hint] = field(default_factory=lambda: _NO_HINTS)
 
 
 #: An endpoint's EndpointSlice hints: the zones and the nodes it is meant for.
 Hint = tuple[frozenset[str], frozenset[str]]
+_NO_HINTS: dict[str, Hint] = {}  # shared by the slices without hints (never changed in place)
 _NO_HINT: Hint = (frozenset(), frozenset())
 
 
@@ -203,7 +205,6 @@ class MeshModel:
         # Pods known from MeshPod records (another node's); a Pod from this node's own
         # watch or CNI ADD always wins over a record of the same name (a StatefulSet pod
         # rescheduled here while its old node's record lingers).
-        self._remote_pods: set[str] = set()
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -358,8 +359,7 @@ class MeshModel:
         if kind == "Namespace":
             svcs, pods = self.registry.set_namespace(None if deleted else obj, name)
             return svcs | self._after_pods(pods)
-        if kind == "Pod":
-            self._remote_pods.discard(f"{ns}/{name}")
+        if kind == "Pod":  # the Pod itself: its record (if any) gives way (upsert replaces it)
             if deleted:
                 svcs, pods = self.registry.remove_pod(ns, name)
             else:
@@ -398,17 +398,17 @@ class MeshModel:
         itself (its own Pod watch or a CNI ADD) or the record says it is ours."""
         key = pod_key(ns, name)  # interned: the registry's own key object, held once
         node = str(((obj or {}).get("spec") or {}).get("nodeName") or "")
-        remote = key in self._remote_pods
+        # (the registry's record says where it came from: a set of 100k keys was 4 MB)
+        remote = self.registry.is_remote(key)
         ours = self.registry.is_local(key) or (
             not remote and self.registry.api_pod(key) is not None)
         if ours or obj is None or "spec" not in obj or node == self.node_name:
             if not remote:
                 return set()  # nothing of the record's in the registry (or ours wins)
-            self._remote_pods.discard(key)  # gone, or a CNI ADD here took the pod over
+            # gone, or a CNI ADD here took the pod over
             svcs, pods = self.registry.remove_pod(ns, name)
         else:
-            self._remote_pods.add(key)
-            svcs, pods = self.registry.upsert_pod(cast(PodObject, obj))
+            svcs, pods = self.registry.upsert_pod(cast(PodObject, obj), remote=True)
         return svcs | self._after_pods(pods)
 
     def service_with_policies(self, key: str) -> Service | None:
@@ -522,8 +522,9 @@ class MeshModel:
                     ips.update(addresses)
                     if (hint := _hint(ep)) is not None:
                         slice_hints.update((canonical_ip(a) or a, hint) for a in addresses)
-                sl = _Slice(service_key(ns, svc_name), tuple(pods), tuple(ips), slice_ports,
-                            slice_hints)
+                # ports: one shared map for every slice saying {"http": 8080}
+                sl = _Slice(service_key(ns, svc_name), tuple(pods), tuple(ips),
+                            shared(slice_ports) or {}, slice_hints or _NO_HINTS)
                 self._slices[skey] = sl
                 add_to(self._slices_by_svc, sl.service, skey)
         affected: set[str] = set()
@@ -538,7 +539,7 @@ class MeshModel:
                 set().union(*(s.ips for s in slices)) if slices else set(),
             )
             if ports != self._slice_ports.get(svc, {}):
-                self._slice_ports[svc] = ports
+                self._slice_ports[svc] = shared(ports) or {}
                 svc_obj = self.services.get(svc)
                 changed = changed or (svc_obj is not None and svc_obj.selector is None)
             hints: dict[str, Hint] = {}

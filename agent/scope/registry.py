@@ -177,11 +177,11 @@ class PodRecord:
         return PodRecord(**kw)
 
     @classmethod
-    def of_api(cls, obj: PodObject, node_name: str) -> PodRecord:
+    def of_api(cls, obj: PodObject, node_name: str, remote: bool = False) -> PodRecord:
         """The pod as its API object says, read once: the registry keeps this instead of the
         object (which stays with the source's store, a stub there for other nodes' pods: at
         100k remote pods holding it here too was ~50 MB), and a managed pod without a CNI
-        ADD here is this very record."""
+        ADD here is this very record. ``remote``: from another node's MeshPod record."""
         meta = pod_identity_from_object(obj)
         phase = str((obj.get("status") or {}).get("phase") or "")
         return cls(
@@ -191,7 +191,7 @@ class PodRecord:
             terminating=bool((obj.get("metadata") or {}).get("deletionTimestamp")),
             local=bool(meta.node_name) and meta.node_name == node_name,
             labels=meta.labels, annotations=meta.annotations,
-            named_ports=shared(_named_ports(obj)), sources=_API,
+            named_ports=shared(_named_ports(obj)), sources=REMOTE if remote else _API,
             host_network=meta.host_network, finished=phase in ("Succeeded", "Failed"))
 
     def meta(self) -> PodMeta:
@@ -224,6 +224,8 @@ class CniRegistration:
 
 
 _API, _CNI, _API_CNI = frozenset({"api"}), frozenset({"cni"}), frozenset({"api", "cni"})
+#: the source of a pod known from another node's MeshPod record (not from its own Pod)
+REMOTE = frozenset({"meshpod"})
 
 
 def _pod_ips(obj: PodObject) -> tuple[str, ...]:
@@ -338,13 +340,19 @@ class Registry:
         """The pod as the source reported it (None: only a CNI ADD, or unknown)."""
         return self._api.get(pod_key)
 
+    def is_remote(self, pod_key: str) -> bool:
+        """The pod's API half came from a MeshPod record (not from its Pod)."""
+        api = self._api.get(pod_key)
+        return api is not None and api.sources == REMOTE
+
     def is_local(self, pod_key: str) -> bool:
         """A CNI ADD on this node registered the pod."""
         return pod_key in self._cni
 
-    def upsert_pod(self, obj: PodObject) -> tuple[set[str], set[str]]:
-        """API ADDED/MODIFIED. Returns (affected Service keys, pod keys whose record changed)."""
-        api = PodRecord.of_api(obj, self.node.node_name)
+    def upsert_pod(self, obj: PodObject, remote: bool = False) -> tuple[set[str], set[str]]:
+        """API ADDED/MODIFIED (``remote``: a MeshPod record). Returns (affected Service keys,
+        pod keys whose record changed)."""
+        api = PodRecord.of_api(obj, self.node.node_name, remote)
         key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
         if self._api.get(key) != api:  # an equal one stays: it may be the record too
             self._api[key] = api

@@ -161,9 +161,16 @@ class Service:
         return all(labels.get(k) == v for k, v in self.selector.items())
 
 
+_NO_MAP: dict[str, str] = {}  # shared: Services' maps are never changed in place
+
+
 def _str_map(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict):
-        return {}
+    """A string map as the Service holds it: the object's own when it is one already (as
+    decoded JSON is: the store and the model then hold one map, not two per Service)."""
+    if not isinstance(value, dict) or not value:
+        return _NO_MAP
+    if all(type(k) is str and type(v) is str for k, v in value.items()):
+        return value
     return {str(k): "" if v is None else str(v) for k, v in value.items()}
 
 

@@ -50,8 +50,8 @@ from agent.source.base import SourceError, WatchEvent
 from agent.source.events import CLUSTER_SCOPED, ObjectStore, object_key
 from agent.source.events import _same as same_object
 from agent.source.manifests import ManifestLoader, shared_loader
-from agent.source.model import slim_endpoint_slice, slim_node, slim_pod
-from agent.source.objects import EndpointSliceObject, NodeObject, PodObject
+from agent.source.model import slim_endpoint_slice, slim_node, slim_pod, slim_service
+from agent.source.objects import EndpointSliceObject, NodeObject, PodObject, ServiceObject
 from agent.source.pace import background_slice
 from agent.source.packed import pack
 
@@ -288,6 +288,8 @@ class KubeWatcher:
             return slim_node(cast(NodeObject, obj))
         if spec.kind == "EndpointSlice":
             return slim_endpoint_slice(cast(EndpointSliceObject, obj))
+        if spec.kind == "Service":
+            return slim_service(cast(ServiceObject, obj))
         if spec.kind == MESHPOD_KIND:
             return meshpod_object(obj)
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
