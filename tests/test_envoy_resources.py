@@ -360,7 +360,7 @@ def test_endpoint_address_and_identity_metadata_sorted_unique() -> None:
              lb.endpoint.address.socket_address.port_value) for lb in lbs] == [
         ("10.1.0.5", 8080), ("10.1.0.9", 9090), ("fd00:1::5", 8080)]
     md = dict(lbs[0].metadata.filter_metadata["aether"])
-    assert md == {"identity": SA, "san": SAN, "pod": "mesh/web-0"}
+    assert md == {"identity": SA, "pod": "mesh/web-0"}  # the SAN only on the mTLS hop
 
 
 def _hashes(res: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:

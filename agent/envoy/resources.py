@@ -601,8 +601,9 @@ def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.
     lb = endpoint_components_pb2.LbEndpoint(health_status=endpoint_health(ep))
     sa = lb.endpoint.address.socket_address
     sa.address, sa.port_value = ep.ip, ep.port
-    md = [(k, v) for k, v in (("identity", ep.sa_identity), ("san", ep.san), ("pod", ep.pod))
-          if v]
+    # which pod and identity a host is (config dumps); not its SAN: nothing reads it without
+    # the mesh hop (tunnel above), and it was ~45 bytes an endpoint, in the agent and in Envoy
+    md = [(k, v) for k, v in (("identity", ep.sa_identity), ("pod", ep.pod)) if v]
     if md:
         fields = lb.metadata.filter_metadata[METADATA_NAMESPACE].fields
         for k, v in md:
