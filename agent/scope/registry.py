@@ -280,7 +280,11 @@ class Registry:
         self._svcs_by_ns: dict[str, set[str]] = {}
         # Inverted label indexes: selector matching costs O(matches), not O(pods × Services)
         # (a 10k-Service relist was quadratic without them).
-        self._rec_by_label: dict[tuple[str, str, str], Bucket] = {}  # (ns, k, v) → records
+        # (ns, k, v) → records, for the label keys some selector uses (_selector_keys: how
+        # many selectors use each): the labels nothing selects on (pod-template-hash, a
+        # version every pod of a namespace carries) were most of this index
+        self._rec_by_label: dict[tuple[str, str, str], Bucket] = {}
+        self._selector_keys: dict[str, int] = {}
         self._svc_by_label: dict[tuple[str, str, str], Bucket] = {}  # first selector pair
         # a Service's slices' pod refs and addresses (tuples: read whole, never probed)
         self._slice_pods: dict[str, tuple[str, ...]] = {}
@@ -433,6 +437,8 @@ class Registry:
         if old == (namespace, selector):
             return False
         was_sliced = self._selectorless(svc_key)
+        for lk in selector or ():  # before the old ones go: a key kept is not re-indexed
+            self._use_selector_key(lk)
         if old is not None:
             self._unindex_selector(svc_key, *old)
         self._selectors[svc_key] = (namespace, selector)
@@ -446,11 +452,33 @@ class Registry:
             add_to(self._svc_by_label, (namespace, k, v), svc_key)
         return self._rematch_service(svc_key)
 
+    def _use_selector_key(self, label: str) -> None:
+        """One more selector uses ``label``: the first indexes every record's value of it."""
+        n = self._selector_keys.get(label, 0)
+        self._selector_keys[label] = n + 1
+        if n == 0:
+            for key, rec in self._records.items():
+                value = rec.labels.get(label)
+                if value is not None:
+                    add_to(self._rec_by_label, (rec.namespace, label, value), key)
+
+    def _drop_selector_key(self, label: str) -> None:
+        """One selector less uses ``label``: the last drops its index."""
+        n = self._selector_keys.get(label, 0) - 1
+        if n > 0:
+            self._selector_keys[label] = n
+            return
+        self._selector_keys.pop(label, None)
+        for k in [k for k in self._rec_by_label if k[1] == label]:
+            del self._rec_by_label[k]
+
     def _unindex_selector(self, svc_key: str, namespace: str, selector: dict[str, str] | None
                           ) -> None:
         if selector:
             k, v = min(selector.items())
             discard_from(self._svc_by_label, (namespace, k, v), svc_key)
+            for lk in selector:
+                self._drop_selector_key(lk)
 
     def remove_service(self, svc_key: str) -> bool:
         if self._selectorless(svc_key):
@@ -542,8 +570,10 @@ class Registry:
                 self._records.pop(key, None)
             else:
                 self._records[key] = new
+                indexed = self._selector_keys
                 for lk, lv in new.labels.items():
-                    add_to(self._rec_by_label, (new.namespace, lk, lv), key)
+                    if lk in indexed:
+                        add_to(self._rec_by_label, (new.namespace, lk, lv), key)
                 add_to(self._by_identity, new.identity, key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
@@ -559,7 +589,8 @@ class Registry:
 
     def _unindex(self, rec: PodRecord) -> None:
         for lk, lv in rec.labels.items():
-            discard_from(self._rec_by_label, (rec.namespace, lk, lv), rec.key)
+            if lk in self._selector_keys:
+                discard_from(self._rec_by_label, (rec.namespace, lk, lv), rec.key)
         discard_from(self._by_identity, rec.identity, rec.key)
         for ip in rec.ips:
             if self._by_ip.get(ip) == rec.key:
