@@ -262,8 +262,8 @@ def set_hop_metadata(cluster: cluster_pb2.Cluster, protocol: str) -> None:
     cluster.metadata.filter_metadata[HOP_METADATA].CopyFrom(md)
 
 
-def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
-                       extra: Mapping[str, str] | None = None) -> endpoint_components_pb2.LbEndpoint:
+def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int
+                       ) -> endpoint_components_pb2.LbEndpoint:
     """A Service endpoint as an internal address of ``mtls-out``: the real ``ip:port`` is its
     endpoint id (distinct hosts) and the original_dst metadata; the SAN pins the backend."""
     target = host_port(ip, port)
@@ -273,11 +273,7 @@ def tunnel_lb_endpoint(ip: str, port: int, san: str, health: int,
     addr.endpoint_id = target
     # set in place (as resources._lb_endpoint): one per mesh endpoint at cluster scale
     lb.metadata.filter_metadata[ORIGINAL_DST_METADATA].fields["local"].string_value = target
-    fields = lb.metadata.filter_metadata[AETHER_METADATA].fields
-    fields["san"].string_value = san
-    for k, v in (extra or {}).items():
-        if v:
-            fields[k].string_value = v
+    lb.metadata.filter_metadata[AETHER_METADATA].fields["san"].string_value = san
     return lb
 
 

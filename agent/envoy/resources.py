@@ -117,7 +117,6 @@ TRAFFIC_TAGS = {"chain": "%FILTER_CHAIN_NAME%", "flags": "%RESPONSE_FLAGS%"}
 # state) and the internal listener that logged it.
 ALS_LISTENER_TAG = "listener"
 ALS_MESH_LISTENER_TAG = "mesh_listener"
-METADATA_NAMESPACE = "aether"
 
 # Filter state handed from a pod listener to its namespace's internal listener.
 ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
@@ -593,21 +592,18 @@ OVERPROVISIONING_FACTOR = 1_000_000
 
 
 def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
+    """A host: its address and health, nothing else. The node Envoy holds every endpoint of
+    the cluster, and per-host metadata is a Struct per host there: naming each host's pod,
+    identity and SAN cost the node Envoy ~145 MB at 100k endpoints (bench/README.md, twelfth
+    session), for config dumps only: nothing in Envoy read it. The mesh hop's host keeps
+    what ``mtls-out`` reads (its SAN and address)."""
     if tunnel:
-        return mtls.tunnel_lb_endpoint(ep.ip, ep.port, ep.san, endpoint_health(ep),
-                                       {"identity": ep.sa_identity, "pod": ep.pod})
+        return mtls.tunnel_lb_endpoint(ep.ip, ep.port, ep.san, endpoint_health(ep))
     # fields set in place, not built as messages and copied in: one per remote pod at
     # cluster scale, 8.7 -> 3.6 us each (measured)
     lb = endpoint_components_pb2.LbEndpoint(health_status=endpoint_health(ep))
     sa = lb.endpoint.address.socket_address
     sa.address, sa.port_value = ep.ip, ep.port
-    # which pod and identity a host is (config dumps); not its SAN: nothing reads it without
-    # the mesh hop (tunnel above), and it was ~45 bytes an endpoint, in the agent and in Envoy
-    md = [(k, v) for k, v in (("identity", ep.sa_identity), ("pod", ep.pod)) if v]
-    if md:
-        fields = lb.metadata.filter_metadata[METADATA_NAMESPACE].fields
-        for k, v in md:
-            fields[k].string_value = v
     return lb
 
 
