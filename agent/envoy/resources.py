@@ -594,7 +594,7 @@ OVERPROVISIONING_FACTOR = 1_000_000
 def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
     """A host: its address and health, nothing else. The node Envoy holds every endpoint of
     the cluster, and per-host metadata is a Struct per host there: naming each host's pod,
-    identity and SAN cost the node Envoy ~145 MB at 100k endpoints (bench/README.md, twelfth
+    identity and SAN cost the node Envoy ~560 MB at 100k endpoints (bench/README.md, twelfth
     session), for config dumps only: nothing in Envoy read it. The mesh hop's host keeps
     what ``mtls-out`` reads (its SAN and address)."""
     if tunnel:
