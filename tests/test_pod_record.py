@@ -63,3 +63,21 @@ def test_the_registry_knows_a_record_from_a_meshpod_from_one_from_the_pod() -> N
     assert not reg.is_remote("shop/web-1") and reg.api_pod("shop/web-1") is not None
     reg.remove_pod("shop", "web-1")
     assert not reg.is_remote("shop/web-1") and reg.api_pod("shop/web-1") is None
+
+
+def test_a_shape_goes_with_the_last_record_holding_it() -> None:
+    """The shape cache is weak: the shapes of gone ReplicaSets are not kept for sharing."""
+    import gc
+
+    from agent.scope import registry
+
+    labels = {"app": "gone"}
+    a, b = _rec("gone-1", labels=labels), _rec("gone-2", labels=labels)
+    shape = a._shape
+    assert shape in registry._SHAPES.values()
+    del a
+    gc.collect()
+    assert shape in registry._SHAPES.values()  # b still holds it
+    del b, shape
+    gc.collect()
+    assert not [s for s in registry._SHAPES.values() if s.labels is labels]

@@ -15,6 +15,7 @@ Services take their members from their EndpointSlices (by targetRef, else by add
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from agent.source.model import (
 from agent.source.objects import PodObject
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class _Shape:
     """What a pod has in common with the other pods of its ReplicaSet (one object for all of
     them): everything a PodRecord holds but its key, uid, IPs and node."""
@@ -54,10 +55,11 @@ class _Shape:
     identity: str  # <ns>/<sa>, interned: every endpoint of the pod holds it
 
 
-#: shapes by their parts (the maps by identity: they are ``shared`` ones, kept alive here)
-_SHAPES: dict[tuple[Any, ...], _Shape] = {}
-_SHAPES_MAX = 1 << 17
+#: the shapes some record holds, by their parts (the maps by identity: ``shared`` ones);
+#: weak, so a ReplicaSet's shape goes with its last pod, not with the cache's next clear
+_SHAPES: weakref.WeakValueDictionary[tuple[Any, ...], _Shape] = weakref.WeakValueDictionary()
 _SANS: dict[tuple[str, str], str] = {}  # (trust domain, identity) → SPIFFE ID, interned
+_SANS_MAX = 1 << 16
 
 
 def _shape(namespace: str, service_account: str, labels: dict[str, str],
@@ -69,12 +71,10 @@ def _shape(namespace: str, service_account: str, labels: dict[str, str],
     got = _SHAPES.get(key)
     if got is None or got.labels is not labels or got.annotations is not annotations \
             or got.named_ports is not named_ports:
-        if len(_SHAPES) >= _SHAPES_MAX:
-            _SHAPES.clear()  # only sharing is lost: records keep their shapes
-        got = _SHAPES[key] = _Shape(
-            sys.intern(namespace), sys.intern(service_account), labels, annotations,
-            named_ports, sources, ready, terminating, local, host_network, finished,
-            sys.intern(f"{namespace}/{service_account}"))
+        got = _Shape(sys.intern(namespace), sys.intern(service_account), labels, annotations,
+                     named_ports, sources, ready, terminating, local, host_network, finished,
+                     sys.intern(f"{namespace}/{service_account}"))
+        _SHAPES[key] = got
     return got
 
 
@@ -159,7 +159,7 @@ class PodRecord:
         if got is None:
             s = self._shape
             got = sys.intern(spiffe_id(trust_domain, s.namespace, s.service_account))
-            if len(_SANS) >= _SHAPES_MAX:
+            if len(_SANS) >= _SANS_MAX:
                 _SANS.clear()
             _SANS[(trust_domain, s.identity)] = got
         return got

@@ -16,7 +16,8 @@ lists every Pod of the cluster instead. Every LIST is paged (``limit``/``continu
 ``LIST_PAGE`` objects a request, as client-go's pager does; an expired continue token is a
 410 like any other and restarts the list), and every Pod is slimmed on receipt
 (``agent.source.model.slim_pod``: the dozen fields the agent reads), so memory per pod
-follows what the mesh needs rather than the size of a Pod spec.
+follows what the mesh needs rather than the size of a Pod spec; EndpointSlices, Nodes and
+Services are slimmed too (``slim_endpoint_slice``, ``slim_node``, ``slim_service``).
 
 Directory: ``ManifestWatcher`` polls the manifest directory (mtime stamp) through the shared
 ``ManifestLoader`` (which re-parses only changed files, big ones on a thread of their own)
