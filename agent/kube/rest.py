@@ -41,14 +41,15 @@ class Rest:
     def __init__(self, api: ApiClient) -> None:
         self.api = api
 
-    def call(self, method: str, path: str, *, body: Any = None, content_type: str | None = None,
-             _request_timeout: Any = None, _preload_content: bool = False,
-             _content_type: str | None = None, **query: Any) -> Any:
+    def call(self, method: str, path: str, *, body: Any = None, _request_timeout: Any = None,
+             _preload_content: bool = False, _content_type: str | None = None,
+             **query: Any) -> Any:
         """The raw urllib3 answer (``_preload_content`` is accepted for the typed signature:
-        every agent call reads raw JSON)."""
+        every agent call reads raw JSON). ``query``: the API's parameters, as the typed
+        client's keywords (``label_selector``) or as the API spells them (``fieldSelector``)."""
         headers = {"Accept": JSON_TYPE}
         if body is not None:
-            headers["Content-Type"] = _content_type or content_type or JSON_TYPE
+            headers["Content-Type"] = _content_type or JSON_TYPE
         req = self.api.param_serialize(
             method=method, resource_path=path,
             query_params=[(_param(k), _value(v)) for k, v in query.items() if v is not None],

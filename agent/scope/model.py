@@ -202,9 +202,6 @@ class MeshModel:
         # thread pausing between chunks, so pod registrations and CNI threads are not held
         # behind seconds of re-evaluation. None: one piece (tests, the first sync).
         self.breathe: Callable[[float], None] | None = None
-        # Pods known from MeshPod records (another node's); a Pod from this node's own
-        # watch or CNI ADD always wins over a record of the same name (a StatefulSet pod
-        # rescheduled here while its old node's record lingers).
 
     # ---- inputs ----------------------------------------------------------------------------
 

@@ -357,7 +357,7 @@ class Registry:
         """API ADDED/MODIFIED (``remote``: a MeshPod record). Returns (affected Service keys,
         pod keys whose record changed)."""
         api = PodRecord.of_api(obj, self.node.node_name, remote)
-        key = pod_key(api.namespace, api.name)  # interned: the one key string of the pod
+        key = api.key  # interned: the one key string of the pod
         if self._api.get(key) != api:  # an equal one stays: it may be the record too
             self._api[key] = api
         return self._refresh_pods({key})

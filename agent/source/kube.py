@@ -181,19 +181,10 @@ class KubeSource:
         later list/watch code and for resources the typed client does not cover.
         """
 
+        params: dict[str, Any] = dict(query or {})
+
         def fetch(timeout: Any) -> Any:
-            req = self._api.param_serialize(
-                method="GET",
-                resource_path=path,
-                query_params=list((query or {}).items()),
-                header_params={"Accept": "application/json"},
-                auth_settings=["BearerToken"],
-            )
-            resp = self._api.call_api(*req, _request_timeout=timeout)
-            if not 200 <= resp.status <= 299:
-                resp.read()
-                raise ApiException.from_response(http_resp=resp, body=None, data=None)
-            return resp.response
+            return self._core.call("GET", path, _request_timeout=timeout, **params)
 
         return self._get_object(what or path, fetch)
 
