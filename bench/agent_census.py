@@ -56,6 +56,12 @@ def _dict_shape(d: dict[Any, Any]) -> str:
     return f"len {len(d)} {keys}"
 
 
+def _tuple_shape(t: tuple[Any, ...]) -> str:
+    """A tuple's length and its first items' types (and the first item, digits folded)."""
+    head = re.sub(r"[0-9]", "9", repr(t[0])[:24]) if t else ""
+    return f"len {len(t)} ({', '.join(type(x).__name__ for x in t[:3])}) {head}"
+
+
 def census(out: str) -> None:
     """Write the census files into ``out`` (runs in the agent, on its main thread)."""
     gc.collect()
@@ -67,6 +73,8 @@ def census(out: str) -> None:
                                                     "bytes": collections.Counter()}
     dicts: collections.Counter[str] = collections.Counter()
     ndicts: collections.Counter[str] = collections.Counter()
+    tuples: collections.Counter[str] = collections.Counter()
+    ntuples: collections.Counter[str] = collections.Counter()
     seen: set[int] = set()
     for obj in gc.get_objects():
         name = type(obj).__name__
@@ -76,6 +84,10 @@ def census(out: str) -> None:
             shape = f"tracked {_dict_shape(obj)}"
             dicts[shape] += sys.getsizeof(obj)
             ndicts[shape] += 1
+        elif isinstance(obj, tuple):
+            shape = f"tracked {_tuple_shape(obj)}"
+            tuples[shape] += sys.getsizeof(obj)
+            ntuples[shape] += 1
         # untracked objects (strings, and dicts/tuples holding only atomic values, which
         # gc stops tracking) reachable from it, through untracked containers too
         stack = list(gc.get_referents(obj))
@@ -96,6 +108,9 @@ def census(out: str) -> None:
                 ndicts[shape] += 1
                 stack.extend(gc.get_referents(ref))
             elif isinstance(ref, tuple):
+                shape = f"in a {name}: {_tuple_shape(ref)}"
+                tuples[shape] += n
+                ntuples[shape] += 1
                 stack.extend(gc.get_referents(ref))
     with open(os.path.join(out, "census.txt"), "w") as f:
         f.write("gc-tracked objects: type, count, MB\n")
@@ -112,6 +127,9 @@ def census(out: str) -> None:
                 "tracked object they were reached from)\n")
         for shape, n in dicts.most_common(25):
             f.write(f"{n / 2**20:8.1f} {ndicts[shape]:8d}  {shape}\n")
+        f.write("\ntuple shapes holding the most (MB, count; as dicts above)\n")
+        for shape, n in tuples.most_common(25):
+            f.write(f"{n / 2**20:8.1f} {ntuples[shape]:8d}  {shape}\n")
     holders = _holders()
     with open(os.path.join(out, "indexes.txt"), "w") as f:
         f.write("dict attributes of the holders: entries, the dict itself (MB), its values "

@@ -660,8 +660,8 @@ def test_resilience_defaults_and_switches() -> None:
 
 
 def test_preferred_endpoints_come_first_within_each_readiness_tier() -> None:
-    near, far = _ep("10.1.0.5"), replace(_ep("10.1.0.6"), preferred=False)
-    near_t = replace(_ep("10.1.0.7", draining=True))
+    near, far = _ep("10.1.0.5"), _ep("10.1.0.6").evolve(preferred=False)
+    near_t = _ep("10.1.0.7", draining=True)
     cla = build_resources(_svc_state(_view(eps={80: (near, far, near_t)})))[ENDPOINT_TYPE][
         "svc|mesh|web|80"]
     groups = [[lb.endpoint.address.socket_address.address for lb in g.lb_endpoints]

@@ -58,3 +58,11 @@ def test_the_model_holds_the_stores_maps_instead_of_copies() -> None:
     svc = service_from_object(cast(ServiceObject, slim))
     assert svc.labels is slim["metadata"]["labels"]
     assert svc.selector is slim["spec"]["selector"]
+
+
+def test_a_selector_equal_to_the_labels_is_the_labels_map() -> None:
+    slim = slim_service(cast(ServiceObject, _service("web")))
+    assert slim["spec"]["selector"] is slim["metadata"]["labels"]
+    other = slim_service(cast(ServiceObject, _service("api", selector={"tier": "api"})))
+    assert other["spec"]["selector"] == {"tier": "api"}
+    assert other["metadata"]["labels"] == {"app": "api"}

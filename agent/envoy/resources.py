@@ -46,7 +46,7 @@ import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, NamedTuple, TypeAlias
 
@@ -1078,7 +1078,7 @@ class ResourceBuilder:
                 cluster.eds_cluster_config.service_name = name
                 cluster.ClearField("outlier_detection")  # one host: nothing to eject it for
                 clusters[name] = _raw(cluster, name)
-                one = (replace(ep, always_ready=True, draining=False),)
+                one = (ep.evolve(always_ready=True, draining=False),)
                 eds[name] = (one, _raw(build_load_assignment(name, one, timeout[2]), name))
                 match = listener_components_pb2.FilterChainMatch(prefix_ranges=[cidr])
                 match.destination_port.value = ep.port

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,11 +88,11 @@ class PodRecord:
     ReplicaSet for the rest: the registry holds one per pod of the cluster, and as a
     15-field dataclass with its own name string it was ~230 bytes a pod (23 MB at 100k)."""
 
-    __slots__ = ("key", "uid", "ips", "node_name", "_shape")
+    __slots__ = ("key", "uid", "_ips", "node_name", "_shape")
 
     key: PodKey
     uid: str
-    ips: tuple[str, ...]
+    _ips: str | tuple[str, ...]  # a single-stack pod's one address as is (a 1-tuple: 48 bytes)
     node_name: str
     _shape: _Shape
 
@@ -107,7 +107,7 @@ class PodRecord:
         init = object.__setattr__
         init(self, "key", pod_key(namespace, name))
         init(self, "uid", uid)
-        init(self, "ips", tuple(ips))
+        init(self, "_ips", ips[0] if len(ips) == 1 else tuple(ips))
         init(self, "node_name", node_name)
         init(self, "_shape", _shape(namespace, service_account, labels or _EMPTY,
                                     annotations or _EMPTY, named_ports or _EMPTY, sources,
@@ -119,17 +119,22 @@ class PodRecord:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PodRecord):
             return NotImplemented
-        return (self.key == other.key and self.uid == other.uid and self.ips == other.ips
+        return (self.key == other.key and self.uid == other.uid and self._ips == other._ips
                 and self.node_name == other.node_name
                 and (self._shape is other._shape or self._shape == other._shape))
 
     def __hash__(self) -> int:
-        return hash((self.key, self.uid, self.ips, self.node_name))
+        return hash((self.key, self.uid, self._ips, self.node_name))
 
     def __repr__(self) -> str:
         s = self._shape
         return (f"PodRecord({self.key} uid={self.uid!r} sa={s.service_account} ips={self.ips} "
                 f"node={self.node_name!r} ready={s.ready} local={s.local})")
+
+    @property
+    def ips(self) -> tuple[str, ...]:
+        v = self._ips
+        return (v,) if type(v) is str else v  # type: ignore[return-value]
 
     # ---- the shared part -------------------------------------------------------------------
 
@@ -223,6 +228,7 @@ class CniRegistration:
     ready: bool = False
 
 
+_UNSET: Any = object()  # Registry._own has no entry
 _API, _CNI, _API_CNI = frozenset({"api"}), frozenset({"cni"}), frozenset({"api", "cni"})
 #: the source of a pod known from another node's MeshPod record (not from its own Pod)
 REMOTE = frozenset({"meshpod"})
@@ -271,7 +277,11 @@ class Registry:
         self._api: dict[str, PodRecord] = {}  # the API half (PodRecord.of_api)
         self._cni: dict[str, CniRegistration] = {}
         self._namespaces: dict[str, NamespaceMeta] = {}
-        self._records: dict[str, PodRecord] = {}
+        # The records, where one is not the API half itself: a CNI ADD's (merged or alone),
+        # or None where the API half is no record (unmanaged, finished). A managed pod known
+        # only from the API (every remote pod) is its API half and has no entry here: a
+        # second 100k-key dict was ~4 MB at 100k pods. Read through _rec and _items.
+        self._own: dict[str, PodRecord | None] = {}
         # buckets (agent.scope.small_sets): tuples while small, sets beyond
         self._by_identity: dict[str, Bucket] = {}
         self._by_ip: dict[str, str] = {}
@@ -302,16 +312,30 @@ class Registry:
     # ---- queries ---------------------------------------------------------------------------
 
     def get(self, pod_key: str) -> PodRecord | None:
-        return self._records.get(pod_key)
+        return self._rec(pod_key)
+
+    def _rec(self, key: str) -> PodRecord | None:
+        own = self._own.get(key, _UNSET)
+        return self._api.get(key) if own is _UNSET else own
+
+    def _items(self) -> Iterator[tuple[str, PodRecord]]:
+        """Every (key, record), in no order."""
+        own = self._own
+        for key, api in self._api.items():
+            if key not in own:
+                yield key, api
+        for key, rec in own.items():
+            if rec is not None:
+                yield key, rec
 
     def records(self) -> list[PodRecord]:
-        return [self._records[k] for k in sorted(self._records)]
+        return [r for _k, r in sorted(self._items(), key=lambda kr: kr[0])]
 
     def local(self) -> list[PodRecord]:
         return [r for r in self.records() if r.local]
 
     def by_identity(self, identity: str) -> list[PodRecord]:
-        return [self._records[k] for k in sorted(self._by_identity.get(identity, ()))]
+        return [self._req(k) for k in sorted(self._by_identity.get(identity, ()))]
 
     def identities(self) -> list[str]:
         return sorted(self._by_identity)
@@ -319,11 +343,17 @@ class Registry:
     def by_ip(self, ip: str) -> PodRecord | None:
         c = canonical_ip(ip)
         key = self._by_ip.get(c) if c else None
-        return self._records.get(key) if key else None
+        return self._rec(key) if key else None
 
     def members(self, svc_key: str) -> list[PodRecord]:
         """The managed pods a Service resolves to (selector, or its slices if selectorless)."""
-        return [self._records[k] for k in sorted(self._members.get(svc_key, ()))]
+        return [self._req(k) for k in sorted(self._members.get(svc_key, ()))]
+
+    def _req(self, key: str) -> PodRecord:
+        """The record of a key an index holds (so there is one)."""
+        rec = self._rec(key)
+        assert rec is not None, key
+        return rec
 
     def services_of(self, pod_key: str) -> set[str]:
         return set(self._svcs_of(pod_key))
@@ -358,14 +388,17 @@ class Registry:
         pod keys whose record changed)."""
         api = PodRecord.of_api(obj, self.node.node_name, remote)
         key = api.key  # interned: the one key string of the pod
-        if self._api.get(key) != api:  # an equal one stays: it may be the record too
-            self._api[key] = api
-        return self._refresh_pods({key})
+        if self._api.get(key) == api:  # an equal one stays: it may be the record too
+            return self._refresh_pods({key})
+        old = self._rec(key)  # before the API half changes: it may be the record
+        self._api[key] = api
+        return self._refresh_pods({key}, {key: old})
 
     def remove_pod(self, namespace: str, name: str) -> tuple[set[str], set[str]]:
         key = f"{namespace}/{name}"
+        old = self._rec(key)
         self._api.pop(key, None)
-        return self._refresh_pods({key})
+        return self._refresh_pods({key}, {key: old})
 
     def register_local(
         self,
@@ -457,7 +490,7 @@ class Registry:
         n = self._selector_keys.get(label, 0)
         self._selector_keys[label] = n + 1
         if n == 0:
-            for key, rec in self._records.items():
+            for key, rec in self._items():
                 value = rec.labels.get(label)
                 if value is not None:
                     add_to(self._rec_by_label, (rec.namespace, label, value), key)
@@ -556,20 +589,27 @@ class Registry:
                           ready=obj.ready or (reg.ready and not obj.ips), local=True,
                           sources=_API_CNI)
 
-    def _refresh_pods(self, keys: set[str]) -> tuple[set[str], set[str]]:
+    def _refresh_pods(self, keys: set[str], olds: dict[str, PodRecord | None] | None = None
+                      ) -> tuple[set[str], set[str]]:
+        """``olds``: the records of keys whose API half has just changed (read before)."""
         affected: set[str] = set()
         changed_pods: set[str] = set()
         for key in keys:
-            old, new = self._records.get(key), self._build(key)
+            old = olds[key] if olds is not None and key in olds else self._rec(key)
+            new = self._build(key)
+            api = self._api.get(key)
+            if new is api and api is not None:
+                self._own.pop(key, None)  # the API half is the record
+            elif new is not None or api is not None:
+                self._own[key] = new  # a CNI record, or None: the API half is no record
+            else:
+                self._own.pop(key, None)
             if old == new:
                 continue
             changed_pods.add(key)
             if old is not None:
                 self._unindex(old)
-            if new is None:
-                self._records.pop(key, None)
-            else:
-                self._records[key] = new
+            if new is not None:
                 indexed = self._selector_keys
                 for lk, lv in new.labels.items():
                     if lk in indexed:
@@ -620,7 +660,8 @@ class Registry:
                                    for k, v in selector.items()), key=len)
                     members = set(sets[0]).intersection(*sets[1:])
             else:
-                members = {k for k in self._slice_pods.get(svc_key, ()) if k in self._records}
+                members = {k for k in self._slice_pods.get(svc_key, ())
+                           if self._rec(k) is not None}
                 members |= {
                     self._by_ip[ip] for ip in self._slice_ips.get(svc_key, ()) if ip in self._by_ip
                 }

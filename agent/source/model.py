@@ -318,6 +318,8 @@ def slim_service(obj: ServiceObject) -> dict[str, Any]:
             spec[k] = shared(_interned(v))
         else:
             spec[intern_short(k)] = _interned(v)
+    if spec.get("selector") and spec["selector"] == m.get("labels"):
+        spec["selector"] = m["labels"]  # most Services select what they are labelled: one map
     return {"apiVersion": obj.get("apiVersion", "v1"), "kind": "Service", "metadata": m,
             "spec": spec}
 
