@@ -707,12 +707,20 @@ class RawResource:
     for tests and debugging: each access parses, so do not use it on hot paths).
     """
 
-    __slots__ = ("name", "data", "cls")
+    __slots__ = ("name", "data", "cls", "_digest")
 
     def __init__(self, cls: type[Message], name: str, data: bytes) -> None:
         self.cls = cls
         self.name = name
         self.data = data
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """``resource_hash``, computed once: the bytes never change (the xDS server needs no
+        memo of it, which at 10k Services was ~3 MB)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.data).hexdigest()[:16]
+        return self._digest
 
     def SerializeToString(self, deterministic: bool = False) -> bytes:  # noqa: N802 - proto API
         return self.data
@@ -906,8 +914,9 @@ class _ServiceEntry:
     # per TCP port: (ClusterIP:port claims, shared chain bytes or None when caller-specific)
     ports: tuple[tuple[ServicePort, tuple[tuple[str, int], ...], bytes | None], ...]
     cluster_key: tuple[Any, ...]
-    clusters: dict[str, RawResource]
-    eds: dict[str, tuple[tuple[Endpoint, ...], RawResource]]
+    # (name, resource) pairs, one per TCP port mostly: a 1-key dict each was 184 bytes
+    clusters: tuple[tuple[str, RawResource], ...]
+    eds: tuple[tuple[str, tuple[tuple[Endpoint, ...], RawResource]], ...]
     # caller namespace -> port -> chain bytes, for ports whose chains vary by caller
     per_caller: dict[str, dict[int, bytes]] = field(default_factory=dict)
 
@@ -1031,18 +1040,19 @@ class ResourceBuilder:
         if old is not None and old.cluster_key == cluster_key:
             clusters = old.clusters
         else:
-            clusters = {n: _raw(build_service_cluster(view, p.port, *timeout[:4]), n)
-                        for p in tcp_ports
-                        for n in [service_cluster_name(view.namespace, view.name, p.port)]}
+            clusters = tuple((n, _raw(build_service_cluster(view, p.port, *timeout[:4]), n))
+                             for p in tcp_ports
+                             for n in [service_cluster_name(view.namespace, view.name, p.port)])
         eds = {}
+        old_eds = dict(old.eds) if old is not None and old.cluster_key[-1] == timeout else {}
         for p in tcp_ports:
             name = service_cluster_name(view.namespace, view.name, p.port)
             eps = view.endpoints.get(p.port, ())
-            prev = (old.eds.get(name) if old is not None and old.cluster_key[-1] == timeout
-                    else None)
+            prev = old_eds.get(name)
             eds[name] = prev if prev is not None and prev[0] == eps else (
                 eps, _raw(build_load_assignment(name, eps, timeout[2]), name))
-        entry = _ServiceEntry(view, chain_key, ports, cluster_key, clusters, eds, per_caller)
+        entry = _ServiceEntry(view, chain_key, ports, cluster_key, clusters, tuple(eds.items()),
+                              per_caller)
         self._services[view.key] = entry
         return entry
 
@@ -1092,7 +1102,7 @@ class ResourceBuilder:
         key = ("headless", view.namespace, view.name, tuple(sorted(seen)), view.traffic,
                timeout)
         entry = _ServiceEntry(view, (*key, gamma_signature(self._gamma, view.key)), tuple(rows),
-                              key, clusters, eds)
+                              key, tuple(clusters.items()), tuple(eds.items()))
         self._services[view.key] = entry
         return entry
 
@@ -1114,7 +1124,7 @@ class ResourceBuilder:
             live.add(view.key)
             entry = self._service(view, opts)
             clusters.update(entry.clusters)
-            assignments.update((n, cla) for n, (_, cla) in entry.eds.items())
+            assignments.update((n, cla) for n, (_, cla) in entry.eds)
             for port, claims, chains in entry.ports:
                 clash = sorted({claimed[k] for k in claims if k in claimed})
                 if clash:  # two Services claiming one ClusterIP:port would NACK the listener
@@ -1453,4 +1463,6 @@ def build_resources(state: NodeXdsState, builder: ResourceBuilder | None = None
 
 def resource_hash(msg: Message | RawResource) -> str:
     """Stable content hash used as the per-resource version in delta xDS."""
+    if type(msg) is RawResource:
+        return msg.digest()
     return hashlib.sha256(msg.SerializeToString(deterministic=True)).hexdigest()[:16]

@@ -272,6 +272,9 @@ class XdsServer:
             memo: dict[int, tuple[Message, str]] = {}
             hs = out[t] = {}
             for n, m in resources.get(t, {}).items():
+                if type(m) is RawResource:  # its hash is its own
+                    hs[n] = m.digest()
+                    continue
                 hit = old.get(id(m))
                 h = hit[1] if hit is not None and hit[0] is m else resource_hash(m)
                 memo[id(m)] = (m, h)
