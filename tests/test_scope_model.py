@@ -312,6 +312,7 @@ def test_slice_membership_follows_the_service_turning_selectorless_and_back(
     add(model, ns("apps"), slice_obj, pod("p1", ips=("10.0.0.1",)))
     add(model, svc("s", selector={"app": "s"}, ports=[{"name": "http", "port": 80}]))
     assert model.resolve("apps/s")[80] == []  # a selector: the slice is not membership
+    assert "apps/s" not in model.registry._slice_pods  # nor held for it
     add(model, svc("s", selector=None, ports=[{"name": "http", "port": 80}]))
     assert [e.ip for e in model.resolve("apps/s")[80]] == ["10.0.0.1"]
     assert add(model, pod("p2", ips=("10.0.0.2",))) == {"apps/s"}  # found by its address

@@ -541,9 +541,22 @@ class MeshModel:
             return {key}
         old = self.services.upsert(svc)
         members_changed = self.registry.set_service(key, ns, svc.selector)
+        if svc.selector is None and (old is None or old.selector is not None):
+            # the registry holds slice refs only for a Service without a selector
+            members_changed = self._slice_refs(key) or members_changed
         if old is None:
             self._scope_dirty = True  # a new Service may match an ns/* or a declared name
         return {key} if (old != svc or members_changed) else set()
+
+    def _slice_refs(self, svc: str, slices: list[_Slice] | None = None) -> bool:
+        """Hand the registry the union of a Service's slices' pod refs and addresses."""
+        if slices is None:
+            slices = [self._slices[k] for k in self._slices_by_svc.get(svc, ())]
+        return self.registry.set_slice_refs(
+            svc,
+            set().union(*(s.pods for s in slices)) if slices else set(),
+            set().union(*(s.ips for s in slices)) if slices else set(),
+        )
 
     def _apply_slice(self, ns: str, name: str, obj: EndpointSliceObject | None) -> set[str]:
         skey = f"{ns}/{name}"
@@ -581,11 +594,7 @@ class MeshModel:
             ports: dict[str, int] = {}
             for s in slices:
                 ports.update(s.ports)
-            changed = self.registry.set_slice_refs(
-                svc,
-                set().union(*(s.pods for s in slices)) if slices else set(),
-                set().union(*(s.ips for s in slices)) if slices else set(),
-            )
+            changed = self._slice_refs(svc, slices)
             if ports != self._slice_ports.get(svc, {}):
                 self._slice_ports[svc] = shared(ports) or {}
                 svc_obj = self.services.get(svc)
