@@ -74,9 +74,14 @@ def test_membership_matches_brute_force_through_random_changes() -> None:
             key = rnd.choice(sorted(svcs))
             del svcs[key]
             reg.remove_service(key)
+        of_pod: dict[str, set[str]] = {k: set() for k in pods}
         for skey, (ns, selector) in svcs.items():
             want = sorted(k for k, labels in pods.items() if k.startswith(ns + "/")
                           and all(labels.get(a) == b for a, b in selector.items()))
             assert [r.key for r in reg.members(skey)] == want, (step, skey)
+            for k in want:
+                of_pod[k].add(skey)
+        for k, want_svcs in of_pod.items():  # and the other way round
+            assert reg.services_of(k) == want_svcs, (step, k)
         used = {k for _ns, sel in svcs.values() for k in sel}
         assert {k[1] for k in reg._rec_by_label} <= used

@@ -304,10 +304,9 @@ class Registry:
         # 10k-Service cluster cost two sets an endpoint)
         self._slice_by_pod: dict[str, set[str]] = {}
         self._slice_by_ip: dict[str, set[str]] = {}
+        # Service → its member pods. A pod's Services are found from the pod (_member_of),
+        # not kept per pod: a 100k-key dict was ~4 MB at 100k pods.
         self._members: dict[str, Bucket] = {}
-        # pod key → its Services: the key itself when one (most pods), else a tuple (a set
-        # is 216 bytes, a 1-tuple 48); read through _svcs_of, written through _set_svcs
-        self._pod_svcs: dict[str, str | tuple[str, ...]] = {}
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -356,17 +355,16 @@ class Registry:
         return rec
 
     def services_of(self, pod_key: str) -> set[str]:
-        return set(self._svcs_of(pod_key))
+        rec = self._rec(pod_key)
+        return self._member_of(rec) if rec is not None else set()
 
-    def _svcs_of(self, pod_key: str) -> tuple[str, ...]:
-        got = self._pod_svcs.get(pod_key, ())
-        return (got,) if isinstance(got, str) else got
-
-    def _set_svcs(self, pod_key: str, svcs: tuple[str, ...]) -> None:
-        if not svcs:
-            self._pod_svcs.pop(pod_key, None)
-        else:
-            self._pod_svcs[pod_key] = svcs[0] if len(svcs) == 1 else svcs
+    def _member_of(self, rec: PodRecord) -> set[str]:
+        """The Services whose members hold ``rec`` (the record the indexes hold for it).
+        Those it matches now are a superset: a selector Service's members are the records
+        its selector matches, re-matched whenever the selector changes; a selectorless
+        one's are the records its slices name, by key or by an address (the address's one
+        owner, where ``_match_pod`` takes every record holding it)."""
+        return {s for s in self._match_pod(rec) if rec.key in self._members.get(s, ())}
 
     # ---- pod inputs (each returns the Service keys whose membership or endpoints changed) --
 
@@ -616,6 +614,7 @@ class Registry:
             if old == new:
                 continue
             changed_pods.add(key)
+            old_svcs = self._member_of(old) if old is not None else set()
             if old is not None:
                 self._unindex(old)
             if new is not None:
@@ -626,13 +625,11 @@ class Registry:
                 add_to(self._by_identity, new.identity, key)
                 for ip in new.ips:
                     self._by_ip[ip] = key
-            old_svcs = set(self._svcs_of(key))
             new_svcs = self._match_pod(new) if new is not None else set()
             for s in old_svcs - new_svcs:
                 discard_from(self._members, s, key)
             for s in new_svcs - old_svcs:
                 add_to(self._members, s, key)
-            self._set_svcs(key, tuple(new_svcs))
             affected |= old_svcs | new_svcs
         return affected, changed_pods
 
@@ -677,17 +674,8 @@ class Registry:
         return self._set_members(svc_key, members)
 
     def _set_members(self, svc_key: str, members: set[str]) -> bool:
-        old = set(self._members.get(svc_key, ()))
-        if old == members:
+        if set(self._members.get(svc_key, ())) == members:
             return False
-        for k in old - members:
-            s = self._svcs_of(k)
-            if svc_key in s:
-                self._set_svcs(k, tuple(x for x in s if x != svc_key))
-        for k in members - old:
-            s = self._svcs_of(k)
-            if svc_key not in s:
-                self._set_svcs(k, (*s, svc_key))
         self._members[svc_key] = bucket(members)
         return True
 

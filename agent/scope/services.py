@@ -97,13 +97,21 @@ class SessionPersistence:
 
 
 def traffic_policy_from_spec(spec: ServiceSpec) -> TrafficPolicy:
-    """The Service spec's traffic fields; anything malformed keeps Kubernetes' default."""
-    return TrafficPolicy(
-        client_ip_affinity=spec.get("sessionAffinity") == "ClientIP",
-        local_only=spec.get("internalTrafficPolicy") == "Local",
-        publish_not_ready=spec.get("publishNotReadyAddresses") is True,
-        prefer=PREFER.get(str(spec.get("trafficDistribution") or ""), ""),
-    )
+    """The Service spec's traffic fields; anything malformed keeps Kubernetes' default.
+    One object per combination (immutable): most of a cluster's Services share the default,
+    and an object each was ~1.5 MB at 10k Services."""
+    key = (spec.get("sessionAffinity") == "ClientIP",
+           spec.get("internalTrafficPolicy") == "Local",
+           spec.get("publishNotReadyAddresses") is True,
+           PREFER.get(str(spec.get("trafficDistribution") or ""), ""))
+    got = _POLICIES.get(key)
+    if got is None:
+        got = _POLICIES[key] = TrafficPolicy(client_ip_affinity=key[0], local_only=key[1],
+                                             publish_not_ready=key[2], prefer=key[3])
+    return got
+
+
+_POLICIES: dict[tuple[bool, bool, bool, str], TrafficPolicy] = {}  # 24 at most
 
 
 #: trafficDistribution values and what they prefer (unknown values: no preference, as
