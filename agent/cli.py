@@ -102,8 +102,9 @@ def run(
             "capture integrity DEGRADED: %s. Pod rules RETURN the passthrough mark alone, which a "
             "pod process with CAP_NET_RAW can set to leave the mesh (docs/architecture.md)",
             proxy.problem)
-    from agent.heap import tune_gc
+    from agent.heap import fix_mmap_threshold, tune_gc
     tune_gc()  # listing a cluster: see agent.heap
+    fix_mmap_threshold()  # big transient buffers mapped, not left in the heap
     from agent.limits import raise_nofile
     raise_nofile()  # before Envoy starts: it inherits the limit (agent.limits)
     node = NodeConfig(

@@ -7,7 +7,7 @@ with its Envoy) with the agent started through this module, which installs SIGUS
 SIGUSR2 handlers; once the agent is ready it is signalled and writes, into ``--out``:
 
 - ``trim.txt`` (SIGUSR1, first): the RSS before and after ``malloc_trim(0)``, i.e. what glibc
-  held freed but not returned;
+  held freed but not returned; ``malloc_info.xml``: glibc's arenas just before it;
 
 - ``census.txt``: gc-tracked objects by type (count, ``sys.getsizeof`` total), then the
   untracked ones reachable from them (strings, bytes, atomic-only dicts and tuples), then the
@@ -213,7 +213,16 @@ def trim(out: str) -> None:
     """What glibc gives back once asked (``malloc_trim``), before the census allocates."""
     me = psutil.Process()
     rss_before = me.memory_info().rss
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fp = libc.fopen(os.path.join(out, "malloc_info.xml").encode(), b"w")
+    if fp:  # glibc's arenas before the trim: what each holds, in use and free
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+    libc.malloc_trim(0)
     with open(os.path.join(out, "trim.txt"), "w") as f:
         f.write(f"RSS {rss_before / 2**20:.0f} MB, after malloc_trim(0) "
                 f"{me.memory_info().rss / 2**20:.0f} MB\n")
