@@ -81,3 +81,22 @@ def test_a_shape_goes_with_the_last_record_holding_it() -> None:
     del b, shape
     gc.collect()
     assert not [s for s in registry._SHAPES.values() if s.labels is labels]
+
+
+def test_records_and_endpoints_copy_and_pickle_by_value() -> None:
+    import copy
+    import pickle
+
+    from agent.scope.model import Endpoint
+
+    rec = PodRecord("ns", "p", uid="u1", ips=("10.0.0.1",), labels={"app": "a"}, ready=True)
+    dual = PodRecord("ns", "q", ips=("10.0.0.2", "fd00::2"))
+    ep = Endpoint("10.0.0.1", 80, "ns/sa", True, False, "spiffe://td/ns/ns/sa/sa", pod="ns/p",
+                  local=True, preferred=False)
+    for value in (rec, dual, ep):
+        for twin in (copy.copy(value), copy.deepcopy(value), pickle.loads(pickle.dumps(value))):
+            assert twin == value and hash(twin) == hash(value)
+    assert copy.deepcopy(dual).ips == ("10.0.0.2", "fd00::2")
+    assert (ep.ready, ep.draining, ep.local, ep.always_ready, ep.preferred) == \
+        (True, False, True, False, False)
+    assert ep.evolve(draining=True) != ep and ep.evolve(draining=True).draining

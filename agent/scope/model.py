@@ -118,6 +118,10 @@ class Endpoint:
                 f"pod={self.pod!r}, local={self.local}, always_ready={self.always_ready}, "
                 f"preferred={self.preferred})")
 
+    def __reduce__(self) -> tuple[Any, ...]:  # copy and pickle through the constructor
+        return (Endpoint, (self.ip, self.port, self.sa_identity, self.ready, self.draining,
+                           self.san, self.pod, self.local, self.always_ready, self.preferred))
+
     def evolve(self, **changes: Any) -> Endpoint:
         """A copy with ``changes`` (the constructor's keywords)."""
         kw: dict[str, Any] = {

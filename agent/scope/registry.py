@@ -81,6 +81,15 @@ def _shape(namespace: str, service_account: str, labels: dict[str, str],
 _EMPTY: dict[str, Any] = {}
 
 
+def _restore(key: PodKey, uid: str, ips: str | tuple[str, ...], node_name: str,
+             shape: _Shape) -> PodRecord:
+    rec = PodRecord.__new__(PodRecord)
+    for name, value in (("key", key), ("uid", uid), ("_ips", ips), ("node_name", node_name),
+                        ("_shape", shape)):
+        object.__setattr__(rec, name, value)
+    return rec
+
+
 class PodRecord:
     """One managed pod as the mesh sees it (an endpoint, possibly local).
 
@@ -115,6 +124,9 @@ class PodRecord:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"PodRecord is immutable (set {name})")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy and pickle without __setattr__
+        return (_restore, (self.key, self.uid, self._ips, self.node_name, self._shape))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PodRecord):
