@@ -304,6 +304,39 @@ def test_an_expired_continue_token_restarts_the_list(server: FakeApiServer,
         w.stop()
 
 
+def test_a_first_list_is_applied_as_read_and_a_relist_replaces_what_it_left(
+        server: FakeApiServer, tmp_path: Path) -> None:
+    """The first LIST of a kind goes into the store page by page; when a later page fails
+    (410), the relist replaces the kind whole, so a pod deleted meanwhile goes too."""
+    for i in range(30):
+        server.put_object(pod(f"p{i:02d}"))
+    store = ObjectStore()
+    seen: list[tuple[str, str]] = []
+    first_page = threading.Event()
+
+    def on_event(ev: WatchEvent) -> None:
+        seen.append((ev.type, ev.obj["metadata"]["name"]))
+        if len(seen) == 10 and not first_page.is_set():  # the first page is in the store
+            first_page.set()
+            server.delete_object("Pod", "p00", "default")
+
+    store.on_event(on_event)
+    w = KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
+                    threading.Event(), request_timeout=5.0, list_page=10,
+                    backoff_base=0.05, backoff_cap=0.2)
+    server.expire_continues(1)  # the next continue request is answered 410
+    try:
+        w.start()
+        assert w.wait_synced(20)
+        assert first_page.is_set()
+        assert seen[:10] == [("ADDED", f"p{i:02d}") for i in range(10)]  # before the 410
+        names = sorted(o["metadata"]["name"] for o in store.of_kind("Pod"))
+        assert names == [f"p{i:02d}" for i in range(1, 30)]
+        assert ("DELETED", "p00") in seen and w.status["Pod"].relists_410 == 1
+    finally:
+        w.stop()
+
+
 def test_a_kind_the_api_does_not_serve_counts_as_synced_and_empty(
         watcher: tuple[KubeWatcher, ObjectStore]) -> None:
     """XBackendTrafficPolicy's CRD is not installed on this API server (404 on its LIST):

@@ -282,7 +282,8 @@ class KubeWatcher:
             raise ApiException.from_response(http_resp=rest, body=None, data=None)
         return resp
 
-    def _normalise(self, spec: KindSpec, obj: dict[str, Any]) -> dict[str, Any]:
+    def _normalise(self, spec: KindSpec, obj: dict[str, Any], packed: bool = True
+                   ) -> dict[str, Any]:
         if spec.kind == "Pod":
             return slim_pod(cast(PodObject, obj))  # sets kind and apiVersion too
         if spec.kind == "Node":
@@ -292,15 +293,23 @@ class KubeWatcher:
         if spec.kind == "Service":
             return slim_service(cast(ServiceObject, obj))
         if spec.kind == MESHPOD_KIND:
-            return meshpod_object(obj)
+            return meshpod_object(obj, packed)
         obj.setdefault("kind", spec.kind)  # list items come without kind/apiVersion
         obj.setdefault("apiVersion", spec.api_version)
         return obj
 
     def _list(self, spec: KindSpec, st: KindStatus) -> None:
         """One consistent LIST in pages (each page normalised, i.e. Pods slimmed, before
-        the next is read); a 410 on a later page (token expired) raises ``Gone``."""
+        the next is read); a 410 on a later page (token expired) raises ``Gone``.
+
+        A kind the store holds nothing of (the first list) is applied page by page, each
+        object as it is read: there is nothing to diff against, and holding a 100k-object
+        list whole until its last page cost memory (which MeshPods were packed to save) and
+        a sorted diff. A list that fails midway leaves what it applied; the relist after it
+        replaces the kind whole, as every later list does."""
         items: list[dict[str, Any]] = []
+        stream = not self.store.counts().get(spec.kind)
+        applied = 0
         token = ""
         while True:
             query = {"limit": str(self.list_page)} if self.list_page > 0 else {}
@@ -311,7 +320,13 @@ class KubeWatcher:
                 body = orjson.loads(resp.data)  # ~2x the stdlib's decode: 200 pages at 100k
             finally:
                 resp.release_conn()
-            items.extend(self._normalise(spec, o) for o in body.get("items") or [])
+            if stream:
+                for o in body.get("items") or []:
+                    if self.store.apply(WatchEvent("ADDED", spec.kind,
+                                                   self._normalise(spec, o, packed=False))):
+                        applied += 1
+            else:
+                items.extend(self._normalise(spec, o) for o in body.get("items") or [])
             meta = body.get("metadata") or {}
             token = str(meta.get("continue") or "")
             if not token:
@@ -319,16 +334,15 @@ class KubeWatcher:
             if self.stop_event.is_set():
                 return
         rv = str(meta.get("resourceVersion") or "")
-        events = self.store.replace_kind(spec.kind, items)
+        changes = applied if stream else len(self.store.replace_kind(spec.kind, items))
         st.lists += 1
         st.not_served = False
-        st.events += len(events)
+        st.events += changes
         st.resource_version = rv or None
         if not st.synced:
             st.synced = True
             st.synced_event.set()
-        log.debug("listed %d %s at resourceVersion %s (%d changes)",
-                  len(items), spec.kind, rv, len(events))
+        log.debug("listed %s at resourceVersion %s (%d changes)", spec.kind, rv, changes)
         if not rv:  # no version to watch from: we can only poll by relisting
             raise RuntimeError(f"LIST {spec.kind} returned no resourceVersion")
 
@@ -377,7 +391,7 @@ class KubeWatcher:
             st.resource_version = str(rv)
 
 
-def meshpod_object(record: dict[str, Any]) -> dict[str, Any]:
+def meshpod_object(record: dict[str, Any], packed: bool = True) -> dict[str, Any]:
     """A MeshPod record as the store keeps it: the slim Pod it holds, under kind MeshPod (so
     a relist of this node's Pods never touches it); a record holding no Pod keeps only its
     name, which the model ignores."""
@@ -389,6 +403,8 @@ def meshpod_object(record: dict[str, Any]) -> dict[str, Any]:
     pod["apiVersion"], pod["kind"] = MESHPOD_API_VERSION, MESHPOD_KIND  # a fresh dict
     if meta.get("resourceVersion"):  # the record's: what the store keeps (ObjectStore.thin)
         pod["metadata"]["resourceVersion"] = str(meta["resourceVersion"])
+    if not packed:  # read at once and dropped (a first list's page)
+        return pod
     # the cluster's remote pods: one packed object each instead of four dicts
     return pack(pod, ("metadata", "spec", "status"))  # type: ignore[return-value]
 
