@@ -285,16 +285,22 @@ def test_a_page_served_after_writes_is_of_the_first_page_snapshot(server: FakeAp
     assert err.value.code == 410
 
 
+def _thirty_pods_and_a_410(server: FakeApiServer, tmp_path: Path, store: ObjectStore
+                           ) -> KubeWatcher:
+    """30 Pods listed in pages of 10, the next continue request answered 410 Expired."""
+    for i in range(30):
+        server.put_object(pod(f"p{i:02d}"))
+    server.expire_continues(1)
+    return KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
+                       threading.Event(), request_timeout=5.0, list_page=10,
+                       backoff_base=0.05, backoff_cap=0.2)
+
+
 def test_an_expired_continue_token_restarts_the_list(server: FakeApiServer,
                                                      tmp_path: Path) -> None:
     """410 Expired on a later page: the watcher lists again from the start and converges."""
-    for i in range(30):
-        server.put_object(pod(f"p{i:02d}"))
     store = ObjectStore()
-    w = KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
-                    threading.Event(), request_timeout=5.0, list_page=10,
-                    backoff_base=0.05, backoff_cap=0.2)
-    server.expire_continues(1)  # the next continue request is answered 410
+    w = _thirty_pods_and_a_410(server, tmp_path, store)
     try:
         w.start()
         assert w.wait_synced(20)
@@ -308,8 +314,6 @@ def test_a_first_list_is_applied_as_read_and_a_relist_replaces_what_it_left(
         server: FakeApiServer, tmp_path: Path) -> None:
     """The first LIST of a kind goes into the store page by page; when a later page fails
     (410), the relist replaces the kind whole, so a pod deleted meanwhile goes too."""
-    for i in range(30):
-        server.put_object(pod(f"p{i:02d}"))
     store = ObjectStore()
     seen: list[tuple[str, str]] = []
     first_page = threading.Event()
@@ -321,10 +325,7 @@ def test_a_first_list_is_applied_as_read_and_a_relist_replaces_what_it_left(
             server.delete_object("Pod", "p00", "default")
 
     store.on_event(on_event)
-    w = KubeWatcher(server.kubeconfig(tmp_path / "kubeconfig"), ["Pod"], "node-a", store,
-                    threading.Event(), request_timeout=5.0, list_page=10,
-                    backoff_base=0.05, backoff_cap=0.2)
-    server.expire_continues(1)  # the next continue request is answered 410
+    w = _thirty_pods_and_a_410(server, tmp_path, store)
     try:
         w.start()
         assert w.wait_synced(20)
