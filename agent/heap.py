@@ -41,13 +41,19 @@ def tune_gc() -> tuple[int, int, int]:
     return (before[0], before[1], before[2])
 
 
-#: glibc's ``mallopt`` parameter, and the value: its own starting threshold, kept.
+#: glibc's ``mallopt`` parameters, and their values.
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 128 * 1024
+M_TRIM_THRESHOLD = -1
+#: Over the 128 KiB buffers libnftables allocates for every transaction, under a LIST page
+#: (~350 KB).
+MMAP_THRESHOLD = 256 * 1024
+#: How much free memory a heap's top may keep before glibc gives it back: those buffers, so
+#: the next transaction does not fault them in again.
+TRIM_THRESHOLD = 1024 * 1024
 
 
 def fix_mmap_threshold() -> bool:
-    """Keep glibc's mmap threshold where it starts (128 KiB); True when set.
+    """Fix glibc's mmap threshold at 256 KiB (and its trim threshold at 1 MiB); True when set.
 
     By default glibc raises the threshold, up to 32 MiB, each time a mapped block is freed.
     The agent's big transient buffers (LIST pages of ~350 KB, serialized xDS responses of
@@ -55,11 +61,18 @@ def fix_mmap_threshold() -> bool:
     when freed is held between the long-lived objects: at 100k Pods + 10k Services the
     agent's RSS at ready was 305 MB with the moving threshold and 282 MB with it fixed (one
     ``agent_scale`` run each, bench/README.md). A fixed threshold maps and unmaps those
-    buffers instead (a syscall each, for buffers that cost far more to fill). Not glibc
-    (musl): nothing to do, False."""
+    buffers instead (a syscall each, for buffers that cost far more to fill).
+
+    Not at glibc's own 128 KiB: every libnftables transaction (two or three an ADD) mallocs
+    buffers of 128 KiB + a page (five for a one-table transaction, counted with strace),
+    which that threshold maps, faults in page by page and unmaps each time (a sixth of the
+    agent's CPU under concurrent ADDs, in ``perf``). Measured under 16 concurrent ADDs (``bench.cni_add``, A/B, 2 runs each): the
+    agent's CPU per ADD 4.85 ms at 128 KiB, 2.75 ms at 256 KiB; RSS at 100k Pods unchanged
+    (282 MB). Not glibc (musl): nothing to do, False."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
 
