@@ -66,9 +66,9 @@ def fix_mmap_threshold() -> bool:
     Not at glibc's own 128 KiB: every libnftables transaction (two or three an ADD) mallocs
     buffers of 128 KiB + a page (five for a one-table transaction, counted with strace),
     which that threshold maps, faults in page by page and unmaps each time (a sixth of the
-    agent's CPU under concurrent ADDs, in ``perf``). Measured under 16 concurrent ADDs (``bench.cni_add``, A/B, 2 runs each): the
-    agent's CPU per ADD 4.85 ms at 128 KiB, 2.75 ms at 256 KiB; RSS at 100k Pods unchanged
-    (282 MB). Not glibc (musl): nothing to do, False."""
+    agent's CPU under concurrent ADDs, in ``perf``). Measured under 16 concurrent ADDs
+    (``bench.cni_add``, A/B, 2 runs each): the agent's CPU per ADD 4.85 ms at 128 KiB,
+    2.75 ms at 256 KiB; RSS at 100k Pods unchanged (282 MB). Not glibc (musl): nothing to do, False."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
