@@ -496,8 +496,8 @@ class GammaNode:
     # -- HTTP --------------------------------------------------------------------------------
     def http(self, target: str, path: str = "/", *, client: str = "gamma/client",
              port: int = HTTP_PORT, method: str = "GET", headers: dict[str, str] | None = None,
-             count: int = 1, keepalive: bool = False, timeout: float = 5.0, ip: str | None = None
-             ) -> list[Answer]:
+             count: int = 1, keepalive: bool = False, timeout: float = 5.0, ip: str | None = None,
+             body: bytes | None = None) -> list[Answer]:
         """``count`` requests from ``client``'s netns to the target's ClusterIP:port (or ``ip``).
 
         Host defaults to the Service name (what a client dialling ``http://<svc>/`` sends).
@@ -514,8 +514,8 @@ class GammaNode:
                 if conn is None:
                     conn = http.client.HTTPConnection(addr, port, timeout=timeout)
                 try:
-                    conn.request(method, path, body=b"" if method in ("POST", "PUT", "PATCH")
-                                 else None, headers=hdrs)
+                    conn.request(method, path, body=body if body is not None else (
+                        b"" if method in ("POST", "PUT", "PATCH") else None), headers=hdrs)
                     r = conn.getresponse()
                     hs: dict[str, str] = {}
                     for k, v in r.getheaders():
@@ -598,6 +598,16 @@ class GammaNode:
     def config_dump(self) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(self.node.admin("/config_dump", timeout=10))
         return data
+
+    def cluster_thresholds(self, name: str) -> dict[str, Any]:
+        """The circuit-breaker thresholds Envoy holds for cluster ``name`` ({} if none)."""
+        dump = json.loads(self.node.admin("/config_dump?resource=dynamic_active_clusters",
+                                          timeout=10))
+        for c in dump.get("configs", []):
+            cluster = c.get("cluster", {})
+            if cluster.get("name") == name:
+                return dict(cluster.get("circuit_breakers", {}).get("thresholds", [{}])[0])
+        return {}
 
     def envoy_evidence(self, target: str, limit: int = 6000) -> str:
         """The route configurations Envoy holds for ``target`` (HCM inline route_config or

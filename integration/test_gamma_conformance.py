@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 
+from integration.conftest import until
 from integration.gamma_harness import (
     ALT_PORT,
     CONSUMER_NS,
+    CONVERGE_TIMEOUT,
     GRPC,
     GRPC_PORT,
+    H2C,
     PRODUCER_NS,
     VERSIONS,
     Answer,
@@ -72,6 +75,10 @@ TARGETS = [
     Svc("t-grpc-weights", ports=GRPC), Svc("t-grpc-conflict", ports=GRPC),
     Svc("t-own-route"), Svc("t-own-both"), Svc("t-own-control"), Svc("t-move"),
     Svc("t-own-svc", annotations={OWNER_KEY: OTHER_MESH}),
+    Svc("t-budget"), Svc("t-budget-be", ("v3",)),
+    # the gRPC backends behind each HTTP/2 appProtocol
+    *(Svc(f"t-ap-{name}", VERSIONS, (SvcPort(GRPC_PORT, GRPC_PORT, "rpc", proto),))
+      for name, proto in (("grpc", "grpc"), ("http2", "http2"), ("h2c", "h2c"), ("k8s-h2c", H2C))),
 ]
 
 
@@ -143,6 +150,34 @@ def test_grpc_identity_route(g: GammaNode) -> None:
     assert set(seen) == {V1, V2, V3}, seen
     assert min(seen.values()) >= 25, seen  # round robin: about a third each
     assert out[0].answer["method"] == "/echo.Echo/Other"
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http2", "h2c", "k8s-h2c"])
+def test_every_http2_app_protocol_balances_per_request_without_a_route(g: GammaNode,
+                                                                     proto: str) -> None:
+    """appProtocol grpc, http2, h2c and kubernetes.io/h2c, no route: 100 unary calls on one
+    client connection are spread over the three endpoints (L4 would pin them to one)."""
+    out = g.grpc_calls(f"t-ap-{proto}", [{"method": "/echo.Echo/Ping", "count": 100}])
+    assert all(a.ok for a in out), out[:3]
+    seen = Counter(a.pod for a in out)
+    assert set(seen) == {V1, V2, V3} and min(seen.values()) >= 25, seen
+
+
+# One unary call as an HTTP/1.1 client can send it: a gRPC message frame ("ping").
+_GRPC_OVER_HTTP1 = {"headers": {"Content-Type": "application/grpc", "TE": "trailers"},
+                    "body": b"\x00\x00\x00\x00\x04ping"}
+
+
+@pytest.mark.parametrize("proto", ["grpc", "http2", "h2c", "k8s-h2c"])
+def test_an_http2_app_protocol_speaks_http2_to_the_backend_whatever_the_client_speaks(
+        g: GammaNode, proto: str) -> None:
+    """An HTTP/1.1 client's gRPC call to a port whose appProtocol is HTTP/2 reaches its
+    HTTP/2-only backend (a gRPC server, which cannot read HTTP/1.1) and is answered: Envoy
+    spoke HTTP/2 upstream whatever the client spoke."""
+    answers = g.http(f"t-ap-{proto}", "/echo.Echo/Ping", method="POST", port=GRPC_PORT,
+                     count=3, **_GRPC_OVER_HTTP1)
+    assert all(a.status == 200 and a.headers.get("content-type") == "application/grpc"
+               and b'"pod": "echo-' in a.body for a in answers), summary(answers)
 
 
 def test_plain_service_routed_by_cluster_ip_not_host(g: GammaNode) -> None:
@@ -589,6 +624,48 @@ def test_retry_on_codes(g: GammaNode) -> None:
         assert got[0].status == 200 and got[0].pod == V2, summary(got)
         tries = [r for r in g.echo[V2].requests() if r["path"] == f"/r/{tag}"]
         assert len(tries) == 3, f"backend saw {len(tries)} tries, want 2 failures + 1 success"
+
+
+def _first_tries_fail_at_once(g: GammaNode, n: int) -> list[Answer]:
+    """``n`` requests to t-budget at once, each on a path of its own whose first try fails
+    (503 after 1 s, all together) and whose retry succeeds."""
+    from concurrent.futures import ThreadPoolExecutor
+    tag = uuid.uuid4().hex
+    headers = {"x-fail-first": "1", "x-delay-ms": "1000"}
+    with ThreadPoolExecutor(n) as pool:
+        return [a for got in pool.map(lambda i: g.http("t-budget", f"/b/{tag}/{i}",
+                                                         headers=headers), range(n))
+                for a in got]
+
+
+def test_the_retry_budget_bounds_concurrent_retries(g: GammaNode) -> None:
+    """A route retrying 503s, 8 requests whose first tries fail together: with the agent's
+    default budget (20 % of active requests, at least 3 concurrent retries) 3 or more are
+    retried and answered; with an XBackendTrafficPolicy on the backend Service allowing 1
+    concurrent retry, at most 2 are (the rest get the 503, counted as retry overflow)."""
+    cluster = "cluster.svc|gamma|t-budget-be|80"
+    with g.routes("budget", route("budget", parent("t-budget"), [rule(
+            backend("t-budget-be"), retry={"codes": [503], "attempts": 2, "backoff": "10ms"})])):
+        g.converge(_to(V3), "t-budget → echo-v3", "t-budget")
+        got = _first_tries_fail_at_once(g, 8)
+        assert sum(a.status == 200 for a in got) >= 3, summary(got)
+        g.write("budget-policy", [{
+            "apiVersion": "gateway.networking.x-k8s.io/v1alpha1", "kind": "XBackendTrafficPolicy",
+            "metadata": {"name": "t-budget-be", "namespace": PRODUCER_NS},
+            "spec": {"targetRefs": [{"group": "", "kind": "Service", "name": "t-budget-be"}],
+                     "retryConstraint": {"budget": {"percent": 1, "interval": "10s"},
+                                         "minRetryRate": {"count": 1, "interval": "1s"}}}}])
+        try:
+            until(lambda: g.cluster_thresholds("svc|gamma|t-budget-be|80").get(
+                "retry_budget", {}).get("min_retry_concurrency") == 1,
+                "the policy's budget never reached Envoy", timeout=CONVERGE_TIMEOUT)
+            before = g.node.stat(f"{cluster}.upstream_rq_retry_overflow")
+            got = _first_tries_fail_at_once(g, 8)
+            assert sum(a.status == 200 for a in got) <= 2, summary(got)
+            assert sum(a.status == 503 for a in got) >= 6, summary(got)
+            assert g.node.stat(f"{cluster}.upstream_rq_retry_overflow") - before >= 6
+        finally:
+            g.remove("budget-policy")
 
 
 # ---- backends ------------------------------------------------------------------------------

@@ -69,20 +69,24 @@ def _pod_state(node: EnvoyNode, pod: Pod, *, ready: bool, terminating: bool = Fa
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}])
 
 
-def test_client_ip_affinity_keeps_a_pod_on_one_endpoint(enode: EnvoyNode) -> None:
-    """sessionAffinity: ClientIP: 60 new connections from one pod all reach one endpoint;
-    the same Service without affinity spreads them."""
+@pytest.mark.parametrize("app_protocol", [None, "http"])
+def test_client_ip_affinity_keeps_a_pod_on_one_endpoint(enode: EnvoyNode,
+                                                        app_protocol: str | None) -> None:
+    """sessionAffinity: ClientIP: 100 new connections from one pod all reach one endpoint;
+    the same Service without affinity spreads them. On an L4 port (tcp_proxy) and on an
+    HTTP one (appProtocol http: balanced per request, the route hashing the caller)."""
     _service(enode, {"sessionAffinity": "ClientIP",
-                     "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}})
-    _service(enode, {}, name="spread", ip="10.96.71.11")
+                     "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}}},
+             app_protocol=app_protocol)
+    _service(enode, {}, name="spread", ip="10.96.71.11", app_protocol=app_protocol)
     servers, client, echo = _backends(enode, 3, deps="app/web,app/spread")
     try:
         for ip in (SVC_IP, "10.96.71.11"):
             _until(lambda ip=ip: _who(client.netns, 1, ip).get("-", 0) == 0,
                    "the Service never answered")
-        sticky = _who(client.netns, 60)
+        sticky = _who(client.netns, 100)
         assert len(sticky) == 1 and "-" not in sticky, sticky
-        spread = _who(client.netns, 60, "10.96.71.11")
+        spread = _who(client.netns, 100, "10.96.71.11")
         assert len(spread) == 3 and "-" not in spread, spread
     finally:
         for e in echo:
@@ -260,16 +264,18 @@ def _far_pod(node: EnvoyNode) -> None:
                    "conditions": [{"type": "Ready", "status": "True"}]}}])
 
 
-def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
-                                                               bridge_name: str) -> None:
-    """trafficDistribution: PreferSameZone: with this node in zone-a, the endpoint in zone-a
-    (a pod here) takes every connection and the one in zone-b (a pod of far-node, served
-    from the node's bridge address) none; once zone-a has no ready endpoint, zone-b takes
-    over. Without trafficDistribution both are used."""
+@pytest.mark.parametrize("prefer", ["PreferSameZone", "PreferClose", "PreferSameNode"])
+def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str, bridge_name: str,
+                                                               prefer: str) -> None:
+    """trafficDistribution PreferSameZone (and PreferClose, its older name), PreferSameNode:
+    with this node in zone-a, the endpoint in zone-a (a pod here, so on this node too) takes
+    every connection and the one in zone-b (a pod of far-node, served from the node's bridge
+    address) none; once it is not ready, zone-b takes over. Without trafficDistribution
+    both are used."""
     from integration.conftest import GW4
     with running(EnvoyNode(workdir, bridge_name)) as node:
         _two_zones(node)
-        _service(node, {"trafficDistribution": "PreferSameZone"})
+        _service(node, {"trafficDistribution": prefer})
         _service(node, {}, name="flat", ip="10.96.71.11")
         _far_pod(node)
         servers, client, echo = _backends(node, 1, deps="app/web,app/flat")
@@ -278,7 +284,7 @@ def test_traffic_distribution_prefers_this_zone_and_falls_back(workdir: str,
             _until(lambda: set(_who(client.netns, 12, "10.96.71.11")) == {"web-0", "web-far"},
                    "the Service without trafficDistribution did not use both zones")
             _until(lambda: _who(client.netns, 20) == Counter({"web-0": 20}),
-                   "PreferSameZone still sent connections to the other zone")
+                   f"{prefer} still sent connections to the other zone")
             _pod_state(node, servers[0], ready=False)
             _until(lambda: _who(client.netns, 10) == Counter({"web-far": 10}),
                    "no fallback to the other zone when this one had no ready endpoint")

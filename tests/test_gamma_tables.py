@@ -26,6 +26,7 @@ SVCS = {
     "ns/v2": Service("ns", "v2", ("10.96.0.12",), (ServicePort(80, "http"),)),
     "other/ext": Service("other", "ext", ("10.96.0.13",), (ServicePort(8080),)),
     "ns/headless": Service("ns", "headless", (), (ServicePort(80),), headless=True),
+    "ns/dns": Service("ns", "dns", (), (ServicePort(80),), type="ExternalName"),
 }
 
 
@@ -319,6 +320,7 @@ def test_all_weights_zero_answers_500() -> None:
     ({"name": "v1"}, "BackendNotFound"),
     ({"name": "v1", "port": 80, "kind": "ServiceImport", "group": "multicluster.x-k8s.io"},
      "InvalidKind"),
+    ({"name": "dns", "port": 80}, "InvalidKind"),  # ExternalName: no mesh backend
 ])
 def test_unresolved_backend_gets_its_share_as_error(ref: dict[str, Any], reason: str) -> None:
     r = route("r", [{"backendRefs": [ref, {"name": "v2", "port": 80}]}])

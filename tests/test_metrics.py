@@ -160,3 +160,33 @@ def test_stop_releases_the_port():
         assert _get(port, "/healthz")[0] == 200
     finally:
         again.stop()
+
+
+def test_svid_expiry_is_the_seconds_left_and_minus_one_when_none_is_held(served):
+    """aether_svid_expiry_seconds from the identity manager: the seconds left of a held SVID,
+    -1 for an identity with local pods whose SVID could not be issued (its pods fail closed)."""
+    from agent.identity.manager import IdentityError, IdentityManager
+    from agent.identity.svid import Svid
+
+    class Provider:
+        name = "test"
+
+        def issue(self, sid: str, now: float) -> Svid:
+            if "/sa/down" in sid:
+                raise IdentityError("provider down")
+            return Svid(sid, "CERT", "KEY", now, now + 600.0, now)
+
+        def bundle_pem(self) -> str:
+            return "BUNDLE"
+
+    now = [1000.0]
+    ident = IdentityManager(Provider(), "cluster.local", clock=lambda: now[0])
+    ident.attach("app/web", "app/web-1")
+    ident.attach("app/down", "app/down-1")
+    m, srv, _ = served
+    m.identity_source = ident.status
+    now[0] += 100
+    s = _samples(_get(srv.port, "/metrics")[1])
+    assert s[("aether_svid_expiry_seconds", (("identity", "app/web"),))] == 500
+    assert s[("aether_svid_expiry_seconds", (("identity", "app/down"),))] == -1
+    assert s[("aether_svid_rotations_total", ())] == 0

@@ -568,6 +568,23 @@ def test_traffic_distribution_marks_the_endpoints_it_prefers(model: MeshModel) -
     assert preferred() == {"10.0.1.2": False, "10.0.1.3": False}
 
 
+def test_prefer_close_is_same_zone_and_prefer_same_node_this_nodes_pods(model: MeshModel) -> None:
+    """PreferClose reads as PreferSameZone; PreferSameNode prefers a pod on this node (and
+    nothing once it is gone), not one of another node in this zone."""
+    s = svc("web", selector={"app": "web"})
+    s["spec"]["trafficDistribution"] = "PreferClose"
+    preferred = _three_zones(model, s)
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": False}
+    here = pod("w-a", ips=("10.0.1.4",), node=NODE, labels={"app": "web"})
+    add(model, here)
+    assert preferred() == {"10.0.1.2": True, "10.0.1.3": False, "10.0.1.4": True}
+    s["spec"]["trafficDistribution"] = "PreferSameNode"
+    assert add(model, s) == {"apps/web"}
+    assert preferred() == {"10.0.1.2": False, "10.0.1.3": False, "10.0.1.4": True}
+    assert delete(model, here) == {"apps/web"}
+    assert preferred() == {"10.0.1.2": False, "10.0.1.3": False}
+
+
 def _hinted_slice(hints: dict[str, dict[str, list[str]]]) -> dict[str, Any]:
     """Service web's EndpointSlice: one endpoint per address, with the hints given for it
     ({"forZones": [...], "forNodes": [...]})."""
