@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -497,7 +499,6 @@ def test_concurrent_request_limit_per_service(workdir: str, bridge_name: str) ->
     request is in flight, a second gets 503 at once (flag UO, Envoy's overflow); once the
     slow one is answered, requests pass again. (On HTTP chains this is the Service-wide
     bound: their upstream pools are per downstream connection, see docs/service-semantics.md.)"""
-    import threading
     with running(EnvoyNode(workdir, bridge_name, extra=["--max-requests-per-service", "1"])) as node:
         _service(node, {}, app_protocol="http")
         servers, client, echo = _backends(node, 1)
@@ -519,6 +520,67 @@ def test_concurrent_request_limit_per_service(workdir: str, bridge_name: str) ->
             assert got["over"][0] == 503 and got["over"][2] < 1.5, got
             assert (got["slow"][0], got["after"][0]) == (200, 200), got
             assert node.stat("cluster.svc|app|web|80.upstream_rq_active_overflow") >= 1
+        finally:
+            for e in echo:
+                e.shutdown()
+
+
+_SYN_DROP = """table inet blackhole {
+  chain input { type filter hook input priority -10; tcp dport 8080 ct state new drop; }
+}
+"""
+
+
+def _answer_after(netns: str, payload: bytes) -> tuple[bytes, float]:
+    """Connect to the Service, send ``payload``, and return the first bytes back (b"" when
+    closed) and how long they took."""
+    s = _connect(netns)
+    t0 = time.monotonic()
+    try:
+        s.settimeout(15)
+        s.sendall(payload)
+        return bytes(s.recv(64)), time.monotonic() - t0
+    except OSError:
+        return b"", time.monotonic() - t0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("app_protocol,pending", [(None, 1), ("http", 1), (None, 2), ("http", 2)])
+def test_pending_request_limit_per_service(workdir: str, bridge_name: str,
+                                           app_protocol: str | None, pending: int) -> None:
+    """`--max-pending-requests-per-service` bounds what waits on an upstream connect: the one
+    endpoint stops answering SYNs, so a first caller waits out the 5 s connect timeout. With
+    a limit of 1 a second caller fails at once (L4: closed; HTTP: 503, Envoy's pending
+    overflow); with 2 it waits as the first does."""
+    extra = ["--max-connections-per-service", "100", "--max-pending-requests-per-service",
+             str(pending), "--connect-attempts", "1", "--outlier-consecutive-failures", "0"]
+    with running(EnvoyNode(workdir, bridge_name, extra=extra)) as node:
+        _service(node, {}, app_protocol=app_protocol)
+        servers, client, echo = _backends(node, 1)
+        try:
+            _until(lambda: _who(client.netns, 1).get("-", 0) == 0, "the Service never answered")
+            subprocess.run(["nsenter", f"--net={servers[0].netns}", "nft", "-f", "-"],
+                           input=_SYN_DROP, text=True, check=True)
+            request = b"GET / HTTP/1.1\r\nHost: web\r\n\r\n"
+            got: dict[str, tuple[bytes, float]] = {}
+
+            def first() -> None:
+                got["first"] = _answer_after(client.netns, request)
+            waiting = threading.Thread(target=first)
+            waiting.start()
+            time.sleep(0.5)
+            got["second"] = _answer_after(client.netns, request)
+            waiting.join(20)
+            overflow = node.stat("cluster.svc|app|web|80.upstream_rq_pending_overflow")
+            refused = b"HTTP/1.1 503" if app_protocol == "http" else b""
+            assert got["first"][1] >= 4.0, got       # waited out the connect timeout
+            if pending == 1:
+                assert got["second"][0].startswith(refused) and got["second"][1] < 1.0, got
+                assert overflow >= 1, overflow
+            else:
+                assert got["second"][1] >= 4.0, got
+                assert overflow == 0, overflow
         finally:
             for e in echo:
                 e.shutdown()
