@@ -235,11 +235,13 @@ def rows_mesh_mtls(d: dict[str, Any]) -> list[Row]:
                             f"plain Envoy's hop ({MTLS_MODE_LABELS[s['floor_mode']]}), {label}",
                             f"{s['mesh_rps_median']:.0f}", f"floor {floor['mesh_rps_median']:.0f}",
                             f"{s['vs_floor_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", "-"))
-    for mode, s in sorted(d["shapes"].get("keepalive", {}).get("modes", {}).items(),
-                          key=lambda kv: kv[0].startswith("floor-")):
-        if s.get("node_envoy_cpu_us_per_request_median"):
+    for shape, per in (("keepalive", "keep-alive request"), ("newconn", "new connection")):
+        for mode, s in sorted(d["shapes"].get(shape, {}).get("modes", {}).items(),
+                              key=lambda kv: kv[0].startswith("floor-")):
+            if not s.get("node_envoy_cpu_us_per_request_median"):
+                continue
             whose = "the plain Envoy's" if mode.startswith("floor-") else "node Envoy"
-            out.append(("mesh_mtls", f"{whose} CPU per keep-alive request, both ends of the "
+            out.append(("mesh_mtls", f"{whose} CPU per {per}, both ends of the "
                         f"hop, {MTLS_MODE_LABELS.get(mode, mode)}",
                         f"{s['node_envoy_cpu_us_per_request_median']:.0f} µs",
                         f"{d.get('node_envoy_workers', '?')} worker(s), "

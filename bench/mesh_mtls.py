@@ -23,11 +23,13 @@ its netns; `wrk` runs in two client pods:
   `http` shape; `detect` runs the codec only on the server side). The floor's upstream
   sockets leave from the node's netns over the bridge, not from the pod's.
 
-Two shapes, each over rounds that run direct and the mesh modes (and, for keep-alive, the
-floor) in alternating order (ABCD, DCBA), ratios taken within a round and the median over
-rounds reported with its spread: keep-alive at `-c32` (target ≥ 0.5× direct requests/s) and
-a new connection per request (each is a new TLS handshake on the mesh side: new TLS
-connections per second, no target). Root only; needs `wrk`. Everything is torn down on exit.
+Two shapes, each over rounds that run direct, the mesh modes and the floor (for new
+connections only `floor-tcp`: the HTTP floor's router would reuse its upstream TLS
+connections across callers, no handshake each) in alternating order (ABCD, DCBA), ratios
+taken within a round and the median over rounds reported with its spread: keep-alive at
+`-c32` (target ≥ 0.5× direct requests/s) and a new connection per request (each is a new TLS
+handshake on the mesh side: new TLS connections per second, no target). Root only; needs
+`wrk`. Everything is torn down on exit.
 """
 
 from __future__ import annotations
@@ -241,7 +243,10 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         assert floor.proc is not None
         floor_proc = psutil.Process(floor.proc.pid)  # `ip netns exec` is not in front: no netns
         for shape in ("keepalive", "newconn"):
-            modes = ["direct", *MESH_MODES, *(FLOOR_MODES if shape == "keepalive" else ())]
+            # new connections: the tcp_proxy floor only, since the plain Envoy's HTTP router
+            # would reuse its upstream TLS connections across callers (no handshake each)
+            modes = ["direct", *MESH_MODES,
+                     *(FLOOR_MODES if shape == "keepalive" else ("floor-tcp",))]
             runs: list[dict[str, Any]] = []
             for r in range(rounds):
                 order = modes if r % 2 == 0 else modes[::-1]
