@@ -330,3 +330,28 @@ def test_twenty_concurrent_adds_all_end_captured(node: Node) -> None:
     assert all(p["rules"] == "ok" for p in st["pods"])
     for p in pods:
         assert "redirect to :15001" in (nft.list_table_text(p.netns) or "")
+
+
+def _tw_reuse(netns: str) -> str:
+    return subprocess.run(["nsenter", f"--net={netns}", "cat", "/proc/sys/net/ipv4/tcp_tw_reuse"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_capture_lets_time_wait_be_reused_unless_the_pod_chose(node: Node) -> None:
+    """A captured pod's netns gets tcp_tw_reuse 1 (the kernel's default, 2, is loopback only):
+    the proxy's sockets there would otherwise run the port range out (agent/netns/sysctls.py).
+    A pod that set the sysctl itself keeps its value; a pod not captured is not touched."""
+    pod = node.pod()
+    node.add(pod)
+    assert _tw_reuse(pod.netns) == "1"
+    chose = node.pod()
+    node.kubelet.create_sandbox(chose)
+    subprocess.run(["nsenter", f"--net={chose.netns}", "sysctl", "-qw",
+                    "net.ipv4.tcp_tw_reuse=0"], check=True)
+    node.kubelet.add(chose, create=False)
+    assert nft.list_table_text(chose.netns) is not None  # captured all the same
+    assert _tw_reuse(chose.netns) == "0"
+    plain = node.pod(labels={"aether.io/managed": "false"})
+    node.add(plain)
+    assert nft.list_table_text(plain.netns) is None
+    assert _tw_reuse(plain.netns) == "2"

@@ -21,6 +21,7 @@ from agent.netns.enter import (
 )
 from agent.netns.families import families_here
 from agent.netns.pin import needs_pin, netns_state, pin, unpin
+from agent.netns.sysctls import reuse_time_wait_here
 
 # What a dataplane call raises when the netns or its rules are not as expected: one tuple,
 # caught wherever a failure must become a CNI error, a log line or a repair.
@@ -103,7 +104,7 @@ class NftDataplane:
 
     def capture(self, netns: str, ruleset: str, first: str | None = None
                 ) -> tuple[str, tuple[bool, bool]]:
-        return nft.apply_ruleset_and(netns, ruleset, first, families_here)
+        return nft.apply_ruleset_and(netns, ruleset, first, _after_rules_here)
 
     def drop(self, netns: str) -> bool:
         return nft.delete_table(netns)
@@ -113,3 +114,10 @@ class NftDataplane:
 
     def listing(self, netns: str) -> str | None:
         return nft.list_table_text(netns)
+
+
+def _after_rules_here() -> tuple[bool, bool]:
+    """An ADD's work in the pod's netns once the rules are in: the TIME_WAIT sysctl (see
+    ``agent.netns.sysctls``), then the loopback families the capture listener may bind."""
+    reuse_time_wait_here()
+    return families_here()
