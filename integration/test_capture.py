@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -341,9 +342,11 @@ def test_capture_lets_time_wait_be_reused_unless_the_pod_chose(node: Node) -> No
     """A captured pod's netns gets tcp_tw_reuse 1 (the kernel's default, 2, is loopback only):
     the proxy's sockets there would otherwise run the port range out (agent/netns/sysctls.py).
     A pod that set the sysctl itself keeps its value; a pod not captured is not touched."""
+    host = Path("/proc/sys/net/ipv4/tcp_tw_reuse").read_text()
     pod = node.pod()
     node.add(pod)
     assert _tw_reuse(pod.netns) == "1"
+    assert Path("/proc/sys/net/ipv4/tcp_tw_reuse").read_text() == host  # the pod's netns, not ours
     chose = node.pod()
     node.kubelet.create_sandbox(chose)
     subprocess.run(["nsenter", f"--net={chose.netns}", "sysctl", "-qw",
