@@ -358,7 +358,7 @@ class Agent:
                                  create_missing=o.xmesh_create))
         status_loop = self.gamma_status
         self.gamma_lease.on_change = lambda _l: status_loop.mark_dirty()
-        kinds = ("HTTPRoute", "GRPCRoute", "Service", "Namespace", "ReferenceGrant")
+        kinds = ("HTTPRoute", "GRPCRoute", "Service", "Namespace")
         objects.on_event(lambda ev: status_loop.mark_dirty() if ev.kind in kinds else None,
                          replay=False)
         self.gamma_lease.start()

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
@@ -27,7 +27,6 @@ from agent.scope.routes import Route
 from agent.slices.project import is_projected
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore
-from agent.source.objects import ReferenceGrantObject
 from agent.source.pace import breathe
 
 log = logging.getLogger("aether.mesh")
@@ -123,11 +122,6 @@ class MeshRuntime:
     def _on_event(self, event: WatchEvent) -> None:
         if event.kind == "EndpointSlice" and is_projected(event.obj):
             return  # our own projection: output only, never registry input (feedback loop)
-        if event.kind == "ReferenceGrant":
-            # grants gate cross-namespace backendRefs (compute_gamma reads them from the
-            # store): a grant given or taken back changes the tables, no restart needed
-            self._changed()
-            return
         try:
             if self.model.apply(event):
                 self._changed()
@@ -203,11 +197,8 @@ class MeshRuntime:
         return out
 
     def _tables(self) -> GammaResult:
-        """The GAMMA route tables (and statuses) of the routes we own, ReferenceGrants
-        enforced."""
-        grants = cast(list[ReferenceGrantObject], self.objects.of_kind("ReferenceGrant"))
-        return build_tables(self.owned_routes(), self.model.service_with_policies,
-                            reference_grants=grants)
+        """The GAMMA route tables (and statuses) of the routes we own."""
+        return build_tables(self.owned_routes(), self.model.service_with_policies)
 
     def compute_gamma(self) -> Any:
         result = self._tables()

@@ -82,6 +82,7 @@ class Svc:
     versions: tuple[str, ...] = ("v1",)
     ports: tuple[SvcPort, ...] = HTTP
     annotations: dict[str, str] = field(default_factory=dict)
+    namespace: str = PRODUCER_NS
 
     def selector(self) -> dict[str, str]:
         sel = {"app": "echo"}
@@ -93,7 +94,7 @@ class Svc:
 
     def manifest(self, ip: str) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": self.name, "namespace": PRODUCER_NS,
+                "metadata": {"name": self.name, "namespace": self.namespace,
                              "annotations": dict(self.annotations)},
                 "spec": {"clusterIP": ip, "clusterIPs": [ip], "selector": self.selector(),
                          "ports": [p.manifest() for p in self.ports]}}
@@ -165,17 +166,6 @@ def route(name: str, parents: dict[str, Any] | list[dict[str, Any]], rules: list
     return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": kind, "metadata": meta,
             "spec": {"parentRefs": parents if isinstance(parents, list) else [parents],
                      "rules": rules}}
-
-
-def grant(from_ns: str, to_ns: str = PRODUCER_NS, kind: str = "HTTPRoute",
-          name: str | None = None) -> dict[str, Any]:
-    """A ReferenceGrant in ``to_ns`` letting ``kind`` routes of ``from_ns`` reference its
-    Services (Gateway API: a cross-namespace backendRef needs one)."""
-    return {"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
-            "metadata": {"name": name or f"from-{from_ns}", "namespace": to_ns},
-            "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": kind,
-                               "namespace": from_ns}],
-                     "to": [{"group": "", "kind": "Service"}]}}
 
 
 # ---- backends ------------------------------------------------------------------------------
@@ -430,7 +420,7 @@ class GammaNode:
             for ns in (PRODUCER_NS, CONSUMER_NS)])
         self.agent.write("gamma-services.yaml",
                          [s.manifest(self.ips[name]) for name, s in self.services.items()])
-        deps = {"aether.io/dependencies": f"{PRODUCER_NS}/*"}
+        deps = {"aether.io/dependencies": f"{PRODUCER_NS}/*,{CONSUMER_NS}/*"}
         for version, name in zip(VERSIONS, BACKEND_PODS, strict=True):
             self.pods[name] = self.node.pod(PRODUCER_NS, name, {"app": "echo", "version": version})
         self.pods["gamma/client"] = self.node.pod(PRODUCER_NS, "client", {"app": "client"}, deps)

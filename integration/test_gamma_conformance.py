@@ -35,7 +35,6 @@ from integration.gamma_harness import (
     Svc,
     SvcPort,
     backend,
-    grant,
     mark,
     parent,
     path,
@@ -68,6 +67,7 @@ TARGETS = [
     Svc("t-timeout"), Svc("t-retry"),
     Svc("t-weights"), Svc("t-weight0"), Svc("t-missing"), Svc("t-be-filters"),
     Svc("t-consumer", ports=(SvcPort(), SvcPort(ALT_PORT, 8080, "http-alt"))),
+    Svc("t-xns", namespace=CONSUMER_NS),  # no endpoints: only its route answers
     Svc("t-section", ports=(SvcPort(), SvcPort(ALT_PORT, 8080, "http-alt"))),
     Svc("t-vanish"),
     Svc("t-detect", ports=(SvcPort(app_protocol=None),)),
@@ -790,8 +790,7 @@ def test_callers_moving_to_their_own_listener_lose_no_connection(g: GammaNode) -
         with g.routes("move",
                       route("consumer", parent("t-move", namespace=PRODUCER_NS),
                             [rule(backend("echo-v3", namespace=PRODUCER_NS),
-                                  filters=[mark("consumer")])], namespace=CONSUMER_NS),
-                      grant(CONSUMER_NS)):
+                                  filters=[mark("consumer")])], namespace=CONSUMER_NS)):
             g.converge(_marked("consumer", V3), "the consumer client gets its route", "t-move",
                        client="consumer/client", samples=3)
             assert mesh_listeners(own) == own
@@ -836,8 +835,7 @@ def test_consumer_route_vs_producer_route(g: GammaNode) -> None:
                         [rule(backend("echo-v2"), filters=[mark("producer")])]),
                   route("consumer", parent("t-consumer", port=ALT_PORT, namespace=PRODUCER_NS),
                         [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
-                        namespace=CONSUMER_NS),
-                  grant(CONSUMER_NS)):  # its backendRef crosses into the producer's namespace
+                        namespace=CONSUMER_NS)):  # its backendRef crosses namespaces, no grant
         g.converge(_marked("consumer", V3), "consumer client on 8081 gets the consumer route",
                    "t-consumer", client="consumer/client", port=ALT_PORT, samples=3)
         # each namespace listener gets its table in its own push: the producer client's too
@@ -860,8 +858,7 @@ def test_consumer_route_on_all_ports(g: GammaNode) -> None:
                         [rule(backend("echo-v2"), filters=[mark("producer")])]),
                   route("consumer", parent("t-consumer", port=None, namespace=PRODUCER_NS),
                         [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
-                        namespace=CONSUMER_NS),
-                  grant(CONSUMER_NS)):  # its backendRef crosses into the producer's namespace
+                        namespace=CONSUMER_NS)):  # its backendRef crosses namespaces, no grant
         g.converge(_marked("consumer", V3), "consumer client gets the consumer route",
                    "t-consumer", client="consumer/client", samples=3)
         g.converge(_marked("producer", V2), "producer client keeps the producer route",
@@ -873,27 +870,42 @@ def test_consumer_route_on_all_ports(g: GammaNode) -> None:
             assert a.route_mark == "producer", a.brief()
 
 
-def test_cross_namespace_backend_needs_a_reference_grant(g: GammaNode) -> None:
-    """A consumer route whose backendRef is in another namespace, without a ReferenceGrant
-    there: the requests it would send answer 500 and the route says ResolvedRefs=False
-    (RefNotPermitted); the grant, once written, fixes both without a restart."""
-    consumer = route("nogrant", parent("t-consumer", port=None, namespace=PRODUCER_NS),
-                     [rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("consumer")])],
+def test_mesh_consumer_route(g: GammaNode) -> None:
+    """Upstream MeshConsumerRoute (conformance/tests/mesh/mesh-consumer-route.go), both cases:
+    a route in the consumer namespace, parent and backendRef the Service echo-v1 of the
+    producer namespace, no ReferenceGrant anywhere (GEP-1294: none is needed in the mesh),
+    sets ``X-Header-Set: set`` on answers to the consumer namespace's requests only."""
+    consumer = route("mesh-consumer-route", parent("echo-v1", namespace=PRODUCER_NS), [rule(
+        backend("echo-v1", namespace=PRODUCER_NS), filters=[
+            {"type": "ResponseHeaderModifier",
+             "responseHeaderModifier": {"set": [{"name": "X-Header-Set", "value": "set"}]}}])],
                      namespace=CONSUMER_NS)
-    with g.routes("nogrant", consumer):
-        g.converge(lambda a: a.status == 500, "the ungranted backendRef answers 500",
-                   "t-consumer", client="consumer/client", samples=3)
+    with g.routes("mesh-consumer-route", consumer):
+        # request from consumer route's namespace modified by HTTPRoute
+        g.converge(lambda a: a.status == 200 and a.pod == V1
+                   and a.headers.get("x-header-set") == "set",
+                   "the consumer namespace's answers carry X-Header-Set", "echo-v1",
+                   client="consumer/client", samples=3)
+        # request not from consumer route's namespace not modified by HTTPRoute
+        for a in g.http("echo-v1", "/", client="gamma/client", count=5):
+            assert (a.status, a.pod) == (200, V1), a.brief()
+            assert "x-header-set" not in a.headers, a.headers
         problems = g.agent.status()["mesh"]["route_problems"]
-        assert any("ResolvedRefs=False RefNotPermitted" in p and "nogrant" in p
-                   for p in problems), problems
-        g.write("grant-nogrant", [grant(CONSUMER_NS)])
-        try:
-            g.converge(_marked("consumer", V3), "the grant lets the route through",
-                       "t-consumer", client="consumer/client", samples=3)
-            problems = g.agent.status()["mesh"]["route_problems"]
-            assert not any("nogrant" in p for p in problems), problems
-        finally:
-            g.remove("grant-nogrant")
+        assert not any("mesh-consumer-route" in p for p in problems), problems
+
+
+def test_producer_route_to_a_backend_in_a_third_namespace_needs_no_grant(g: GammaNode) -> None:
+    """A producer route (route and parent Service in ``consumer``) whose backendRef is a
+    Service of another namespace (``gamma``) reaches it with no ReferenceGrant (GEP-1294),
+    and its status says ResolvedRefs."""
+    with g.routes("xns", route("xns", parent("t-xns"), [
+            rule(backend("echo-v3", namespace=PRODUCER_NS), filters=[mark("xns")])],
+            namespace=CONSUMER_NS)):
+        for client in g.clients:
+            g.converge(_marked("xns", V3), f"{client} → consumer/t-xns → gamma/echo-v3",
+                       "t-xns", client=client, samples=3)
+        problems = g.agent.status()["mesh"]["route_problems"]
+        assert not any("xns" in p for p in problems), problems
 
 
 def test_named_route_rule(g: GammaNode) -> None:

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.timeout(60)
 CTRL = "aether.io/mesh"
 GW = "gateway.networking.k8s.io/v1"
 EXTRA = (
-    fake.Resource("gateway.networking.k8s.io", "v1beta1", "referencegrants", "ReferenceGrant"),
     fake.Resource("gateway.networking.x-k8s.io", "v1alpha1", "xmeshes", "XMesh",
                   namespaced=False, status=True),
 )
@@ -159,29 +158,31 @@ def test_broken_backend_and_wrong_kind(server, api, world):
     world.put(
         route("missing", [svc_parent("echo")], [backend("nope")]),
         route("kind", [svc_parent("echo")], [backend("x", group="example.com", kind="Bucket")]),
-        route("cross", [svc_parent("echo")], [backend("db", namespace="data")]),
         route("badport", [svc_parent("echo")], [backend("echo-v1", port=9999)]),
     )
     StatusWriter(api, CTRL, Leadership()).sync(world.statuses())
     for name, reason in (("missing", "BackendNotFound"), ("kind", "InvalidKind"),
-                         ("cross", "RefNotPermitted"), ("badport", "BackendNotFound")):
+                         ("badport", "BackendNotFound")):
         [entry] = ours(server, name)
         c = cond(entry, "ResolvedRefs")
         assert (c["status"], c["reason"]) == ("False", reason), name
         assert cond(entry, "Accepted")["status"] == "True"  # the parent itself is fine
 
 
-def test_reference_grant_permits_cross_namespace_backend(server, api, world):
+def test_cross_namespace_backend_resolves_without_a_reference_grant(server, api, world):
+    """GEP-1294: mesh routes' backendRefs resolve in any namespace, no ReferenceGrant."""
     world.put(namespace("data", managed=False), service("db", "data"),
-              route("cross", [svc_parent("echo")], [backend("db", namespace="data")]),
-              {"apiVersion": "gateway.networking.k8s.io/v1beta1", "kind": "ReferenceGrant",
-               "metadata": {"name": "apps-to-db", "namespace": "data"},
-               "spec": {"from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute",
-                                  "namespace": "apps"}],
-                        "to": [{"group": "", "kind": "Service", "name": "db"}]}})
+              route("cross", [svc_parent("echo")], [backend("db", namespace="data")]))
     StatusWriter(api, CTRL, Leadership()).sync(world.statuses())
     [entry] = ours(server, "cross")
-    assert cond(entry, "ResolvedRefs")["status"] == "True"
+    c = cond(entry, "ResolvedRefs")
+    assert (c["status"], c["reason"]) == ("True", "ResolvedRefs")
+    # a cross-namespace backendRef to a Service that does not exist is still not resolved
+    world.put(route("cross-missing", [svc_parent("echo")], [backend("nope", namespace="data")]))
+    StatusWriter(api, CTRL, Leadership()).sync(world.statuses())
+    [entry] = ours(server, "cross-missing")
+    c = cond(entry, "ResolvedRefs")
+    assert (c["status"], c["reason"]) == ("False", "BackendNotFound")
 
 
 def test_parent_problems_no_matching_parent_and_unsupported(server, api, world):

@@ -343,15 +343,13 @@ def test_all_backends_invalid_answers_500_grpc_503() -> None:
     assert t is not None and t.rules[0].direct_status == 503  # Envoy sends gRPC UNAVAILABLE
 
 
-def test_cross_namespace_backend_needs_no_grant_by_default_but_can_be_enforced() -> None:
+def test_cross_namespace_backend_needs_no_reference_grant() -> None:
+    """GEP-1294: a mesh route sends to a Service in any namespace, with no ReferenceGrant."""
     r = route("r", [{"backendRefs": [{"name": "ext", "namespace": "other", "port": 8080}]}])
-    assert table(build_tables([r], SVCS)).rules[0].backends[0].valid
-    res = build_tables([r], SVCS, reference_grants=[])
-    assert status(res, "r", "ResolvedRefs") == ("False", "RefNotPermitted")
-    grant = {"metadata": {"namespace": "other"}, "spec": {
-        "from": [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "ns"}],
-        "to": [{"group": "", "kind": "Service"}]}}
-    assert table(build_tables([r], SVCS, reference_grants=[grant])).rules[0].backends[0].valid
+    res = build_tables([r], SVCS)
+    [backend] = table(res).rules[0].backends
+    assert (backend.valid, backend.namespace, backend.name) == (True, "other", "ext")
+    assert status(res, "r", "ResolvedRefs") == ("True", "ResolvedRefs")
 
 
 def test_backend_level_filters() -> None:

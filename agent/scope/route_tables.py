@@ -21,11 +21,9 @@ from typing import Any, Protocol
 from agent.scope import durations
 from agent.scope.routes import ParentRef, Route
 from agent.scope.services import ServicePort, SessionPersistence, parse_session_persistence
-from agent.source.objects import ReferenceGrantObject
 
 HTTP_ROUTE = "HTTPRoute"
 GRPC_ROUTE = "GRPCRoute"
-GATEWAY_GROUP = "gateway.networking.k8s.io"
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
                           "PATCH"})
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -42,7 +40,6 @@ R_INCOMPATIBLE = "IncompatibleFilters"
 R_CONFLICTED = "Conflicted"  # GEP-1294 "Route types": the losing route type on a Service port
 R_BACKEND_NOT_FOUND = "BackendNotFound"
 R_INVALID_KIND = "InvalidKind"
-R_REF_NOT_PERMITTED = "RefNotPermitted"
 
 
 class _ServiceLike(Protocol):
@@ -432,26 +429,8 @@ class _RefProblem:
 class _Resolver:
     """backendRef → Backend, recording ResolvedRefs problems per route."""
 
-    def __init__(self, services: ServiceLookup, grants: list[ReferenceGrantObject] | None) -> None:
+    def __init__(self, services: ServiceLookup) -> None:
         self.services = services
-        self.grants = grants
-
-    def permitted(self, route: Route, ns: str, name: str) -> bool:
-        """GEP-1294: mesh backendRefs need no ReferenceGrant, unless grants are enforced."""
-        if self.grants is None or ns == route.namespace:
-            return True
-        for g in self.grants:
-            meta = g.get("metadata") or {}
-            if (meta.get("namespace") or "default") != ns:
-                continue
-            spec = g.get("spec") or {}
-            frm = any(f.get("group") == GATEWAY_GROUP and f.get("kind") == route.kind
-                      and f.get("namespace") == route.namespace for f in spec.get("from") or [])
-            to = any((t.get("group") or "") == "" and t.get("kind") == "Service"
-                     and (not t.get("name") or t.get("name") == name) for t in spec.get("to") or [])
-            if frm and to:
-                return True
-        return False
 
     def resolve(self, route: Route, ref: Any, problems: list[_RefProblem]) -> Backend:
         ref = ref if isinstance(ref, dict) else {}
@@ -472,9 +451,8 @@ class _Resolver:
                                        "only core Services are supported")
         if not name:
             return bad(R_BACKEND_NOT_FOUND, "backendRef without a name")
-        if not self.permitted(route, ns, name):
-            return bad(R_REF_NOT_PERMITTED, f"backendRef {ns}/{name}: no ReferenceGrant in {ns} "
-                                            f"allows {route.kind} from {route.namespace}")
+        # GEP-1294: a mesh route may send to a Service in any namespace, with no
+        # ReferenceGrant (it augments an existing Service, it exposes nothing new)
         svc = _lookup(self.services, f"{ns}/{name}")
         if svc is None:
             return bad(R_BACKEND_NOT_FOUND, f"Service {ns}/{name} not found")
@@ -709,15 +687,13 @@ def _parent_ports(parent: ParentRef, svc: Any) -> list[int]:
     return [p.port for p in ports]
 
 
-def build_tables(routes: Iterable[Route], services: ServiceLookup, *,
-                 reference_grants: Iterable[ReferenceGrantObject] | None = None) -> GammaResult:
+def build_tables(routes: Iterable[Route], services: ServiceLookup) -> GammaResult:
     """Every route attached to a Service parent → tables, statuses and conflicts.
 
     ``services`` maps ``<ns>/<name>`` to a Service (or ServiceView), as a Mapping or a lookup
-    function. ``reference_grants`` None follows GEP-1294 (mesh backendRefs need no grant); a
-    list (even empty) enforces ReferenceGrant for cross-namespace backendRefs.
+    function. backendRefs resolve in any namespace without a ReferenceGrant (GEP-1294).
     """
-    resolver = _Resolver(services, None if reference_grants is None else list(reference_grants))
+    resolver = _Resolver(services)
     result = GammaResult()
     # (target, port, scope) → accepted routes' evaluations
     groups: dict[tuple[str, int, str | None], list[_RouteEval]] = {}

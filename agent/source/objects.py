@@ -7,7 +7,7 @@ treat a missing or mistyped field as absent rather than trusting the declared sh
 TypedDict here says is which fields the agent depends on — a field not listed is not read.
 The store hands objects around as plain dicts; the parse functions take these types, and an
 object is ``cast`` where it leaves the store for one of them (``MeshModel._apply``, the
-watcher's slim transforms, the GAMMA route tables' ReferenceGrants).
+watcher's slim transforms).
 """
 
 from __future__ import annotations
@@ -221,30 +221,6 @@ class RouteObject(TypedDict, total=False):
     kind: str
     metadata: ObjectMeta
     spec: RouteSpec
-
-
-class ReferenceGrantFrom(TypedDict, total=False):
-    group: str
-    kind: str
-    namespace: str
-
-
-class ReferenceGrantTo(TypedDict, total=False):
-    group: str
-    kind: str
-    name: str
-
-
-# "from" is a Python keyword: the functional form declares it
-ReferenceGrantSpec = TypedDict("ReferenceGrantSpec", {
-    "from": list[ReferenceGrantFrom], "to": list[ReferenceGrantTo]}, total=False)
-
-
-class ReferenceGrantObject(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
-    spec: ReferenceGrantSpec
 
 
 class BackendTrafficPolicySpec(TypedDict, total=False):

@@ -84,8 +84,6 @@ KIND_SPECS: dict[str, KindSpec] = {
         ),
         KindSpec("HTTPRoute", _GW, f"/apis/{_GW}/httproutes"),
         KindSpec("GRPCRoute", _GW, f"/apis/{_GW}/grpcroutes"),
-        KindSpec("ReferenceGrant", "gateway.networking.k8s.io/v1beta1",
-                 "/apis/gateway.networking.k8s.io/v1beta1/referencegrants"),
         KindSpec("XBackendTrafficPolicy", "gateway.networking.x-k8s.io/v1alpha1",
                  "/apis/gateway.networking.x-k8s.io/v1alpha1/xbackendtrafficpolicies"),
         KindSpec("BackendLBPolicy", "gateway.networking.k8s.io/v1alpha2",

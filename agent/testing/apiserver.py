@@ -67,7 +67,6 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),
     Resource(_GW, "v1", "httproutes", "HTTPRoute", status=True),
     Resource(_GW, "v1", "grpcroutes", "GRPCRoute", status=True),
-    Resource(_GW, "v1beta1", "referencegrants", "ReferenceGrant"),
     Resource(_GW, "v1alpha2", "backendlbpolicies", "BackendLBPolicy", status=True),
     Resource("coordination.k8s.io", "v1", "leases", "Lease"),
     Resource("apps", "v1", "daemonsets", "DaemonSet", status=True),
