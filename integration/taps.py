@@ -5,10 +5,12 @@ or anyone else's), and read Envoy's own per-pod listener counter."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import nftables
 
+from agent.netns.cgroup import cgroup2_mount, nft_name
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
 from integration.conftest import EnvoyNode
@@ -57,9 +59,23 @@ def integrity(enode: EnvoyNode) -> dict[str, Any]:
     return ci
 
 
+def proxy_cgroup_here(enode: EnvoyNode) -> str:
+    """The proxy's cgroup as nft names it from this test's mount namespace, read from Envoy's
+    own /proc entry: an agent under `ip netns exec` mounts cgroup2 at /sys/fs/cgroup in its
+    private mount namespace, where this hybrid host keeps it at /sys/fs/cgroup/unified."""
+    with open(f"/proc/{enode.envoy_pid()}/cgroup") as f:
+        path = next(line[3:].strip() for line in f if line.startswith("0::"))
+    with open("/proc/self/mountinfo") as f:
+        mount = cgroup2_mount(f.read())
+    assert mount is not None
+    name = nft_name(os.path.join(mount, path.lstrip("/")))
+    assert name is not None
+    return name
+
+
 def tap(enode: EnvoyNode, pod: Pod, ip: str, port: int) -> Tap:
     ci = integrity(enode)
-    return Tap(pod.netns, ip, port, ci["cgroup"], ci["level"])
+    return Tap(pod.netns, ip, port, proxy_cgroup_here(enode), ci["level"])
 
 
 def carried(enode: EnvoyNode, pod: Pod) -> int:

@@ -24,9 +24,10 @@ import yaml
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Kubelet, Pod
 from agent.testing.netutil import ClosingHTTPServer, dial, host_server
-from integration.conftest import GW4, GW6, SUBNET4, EnvoyNode
+from integration.conftest import GW4, GW6, SUBNET4, EnvoyNode, running
 from integration.taps import carried as _carried
 from integration.taps import integrity as _integrity
+from integration.taps import proxy_cgroup_here as _proxy_cgroup_here
 from integration.taps import tap as _tap
 
 pytestmark = [pytest.mark.integration]
@@ -53,7 +54,28 @@ print(s.recv(64).decode(), flush=True)
 """
 
 
-def test_cap_net_raw_process_setting_the_mark_is_still_captured(enode: EnvoyNode) -> None:
+@pytest.fixture(params=["host", "ip-netns-exec"])
+def anode(request: pytest.FixtureRequest, workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    """The agent as a DaemonSet runs it, and under `ip netns exec` in the node's netns: that
+    remounts /sys in a mount namespace of its own, without the cgroup mounts, so the agent
+    finds no cgroup2 and must mount the hierarchy itself to keep the unforgeable RETURN."""
+    n = EnvoyNode(workdir, bridge_name)
+    name = f"aether-host-{os.getpid()}"
+    if request.param == "ip-netns-exec":
+        subprocess.run(["ip", "netns", "attach", name, str(os.getpid())], check=True)
+        n.agent.wrapper = ["ip", "netns", "exec", name]
+    try:
+        with running(n):
+            yield n
+    finally:
+        if n.agent.wrapper:
+            subprocess.run(["ip", "netns", "delete", name], check=False)
+    if n.agent.wrapper:
+        assert "mounted the cgroup2 hierarchy at /sys/fs/cgroup" in n.agent.logs()
+
+
+def test_cap_net_raw_process_setting_the_mark_is_still_captured(anode: EnvoyNode) -> None:
+    enode = anode
     pod = enode.pod()
     enode.add(pod)
     srv, port = host_server()
@@ -273,16 +295,20 @@ def test_a_failed_listener_bind_never_leaves_envoy_in_a_pod_netns(enode: EnvoyNo
         squatter.close()
 
 
-def test_status_names_the_unforgeable_return(enode: EnvoyNode) -> None:
+def test_status_names_the_unforgeable_return(anode: EnvoyNode) -> None:
+    enode = anode
     ci = _integrity(enode)
     assert ci["proxy_match"].startswith("mark + socket cgroupv2 level ")
-    assert os.path.isdir(os.path.join("/sys/fs/cgroup", ci["cgroup"]))
     with open(f"/proc/{enode.envoy_pid()}/cgroup") as f:
-        assert any(line.startswith("0::") and line.strip().endswith("/aether-proxy")
-                   for line in f)
+        own = next(line[3:].strip() for line in f if line.startswith("0::"))
+    assert own.endswith("/aether-proxy")
+    # the agent names it from its own mount namespace; here it is the same cgroup
+    assert ("/" + ci["cgroup"]).endswith(own), (ci["cgroup"], own)
+    assert os.path.isdir(os.path.join("/sys/fs/cgroup", _proxy_cgroup_here(enode)))
     out = subprocess.run(["aether-agent", "status", "--run-dir", enode.agent.run_dir],
                          capture_output=True, text=True, timeout=30)
     assert "capture integrity: proxy RETURN by mark + socket cgroupv2" in out.stdout
+    assert "DEGRADED" not in out.stdout
 
 
 def test_a_pod_holding_its_capture_port_across_an_envoy_restart_cannot_loop_the_proxy(

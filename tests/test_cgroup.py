@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from agent.netns.cgroup import (
     cgroup2_mount,
+    cgroup2_mount_target,
     level_counts,
     nft_name,
     own_cgroup2_path,
@@ -17,12 +18,38 @@ HYBRID = """\
 """
 UNIFIED = "30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_ONLY = "27 25 0:24 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+# Under `ip netns exec`: /sys is a fresh sysfs, nothing mounted at /sys/fs/cgroup.
+NETNS_EXEC = "40 30 0:50 / /sys rw,relatime - sysfs netns-name rw\n"
+CILIUM_ONLY = NETNS_EXEC + "41 30 0:26 / /run/cilium/cgroupv2 rw - cgroup2 none rw\n"
 
 
 def test_cgroup2_mount_on_hybrid_unified_and_v1_hosts() -> None:
     assert cgroup2_mount(HYBRID) == "/sys/fs/cgroup/unified"
     assert cgroup2_mount(UNIFIED) == "/sys/fs/cgroup"
     assert cgroup2_mount(V1_ONLY) is None
+
+
+def test_cgroup2_mount_prefers_the_one_nft_can_name() -> None:
+    assert cgroup2_mount(CILIUM_ONLY) == "/run/cilium/cgroupv2"  # found, though unnameable
+    assert cgroup2_mount(CILIUM_ONLY + HYBRID) == "/sys/fs/cgroup/unified"
+
+
+def test_mount_target_only_where_nft_sees_no_cgroup2_and_nothing_is_covered() -> None:
+    def empty(*free: str):  # type: ignore[no-untyped-def]
+        return lambda path: path in free
+
+    every = empty("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+    assert cgroup2_mount_target(UNIFIED, every) is None  # nft sees one already
+    assert cgroup2_mount_target(HYBRID, every) is None
+    assert cgroup2_mount_target(NETNS_EXEC, every) == "/sys/fs/cgroup"
+    assert cgroup2_mount_target(CILIUM_ONLY, every) == "/sys/fs/cgroup"  # cilium's: unnameable
+    assert cgroup2_mount_target("", every) == "/sys/fs/cgroup"
+    # v1 controllers on a tmpfs at /sys/fs/cgroup: never cover it, use an empty unified/
+    v1_tmpfs = "25 30 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n" + V1_ONLY
+    assert cgroup2_mount_target(v1_tmpfs, every) == "/sys/fs/cgroup/unified"
+    assert cgroup2_mount_target(NETNS_EXEC, empty("/sys/fs/cgroup/unified")) == \
+        "/sys/fs/cgroup/unified"
+    assert cgroup2_mount_target(NETNS_EXEC, empty()) is None  # neither empty: mount nothing
 
 
 def test_own_path_is_the_unified_line() -> None:

@@ -15,6 +15,14 @@ Two host facts make this fiddly, and both are settled by a probe, not by guessin
 * ``level`` is the cgroup's depth from the real root of the hierarchy, which a process in a
   cgroup namespace (a container) cannot read from ``/proc/self/cgroup``.
 
+Where this process's mount namespace shows no cgroup2 under ``/sys/fs/cgroup`` although the
+kernel has cgroup v2 (an agent started under ``ip netns exec``, which remounts ``/sys``
+without the cgroup mounts; a container without ``/sys/fs/cgroup``; a hybrid host whose
+``unified`` mount lives in another mount namespace), the agent mounts the cgroup2 hierarchy
+itself where nft looks (``/sys/fs/cgroup``, else ``/sys/fs/cgroup/unified``), as Cilium
+mounts its own at ``/run/cilium/cgroupv2``: only where nothing is mounted and the directory
+is empty, so no host mount is ever covered. DEGRADED is left for kernels without cgroup v2.
+
 ``setup_proxy_cgroup`` creates the cgroup, then proves the match in a scratch netns: a child
 process joins the cgroup and connects out, and the level whose counter moved is the one the
 kernel sees. No level moving means the kernel or nft cannot match here: the caller reports the
@@ -31,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("aether.cgroup")
@@ -40,6 +49,7 @@ PROXY_CGROUP_NAME = "aether-proxy"
 MAX_PROBE_LEVEL = 24
 CLONE_NEWNET = 0x40000000
 _PROBE_TABLE = "aether_cgprobe"
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RELATIME = 0x2, 0x4, 0x8, 0x200000
 
 
 @dataclass(frozen=True)
@@ -61,15 +71,56 @@ class ProxyCgroup:
         return f"unavailable: {self.problem}"
 
 
-def cgroup2_mount(mountinfo: str) -> str | None:
-    """The mount point of the cgroup2 hierarchy in /proc/self/mountinfo text (pure)."""
+def _mounts(mountinfo: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every line of /proc/self/mountinfo text (pure)."""
+    out = []
     for line in mountinfo.splitlines():
         pre, sep, post = line.partition(" - ")
-        if sep and post.split(" ", 1)[0] == "cgroup2":
-            fields = pre.split()
-            if len(fields) >= 5:
-                return fields[4].replace("\\040", " ")
+        fields = pre.split()
+        if sep and len(fields) >= 5:
+            out.append((fields[4].replace("\\040", " "), post.split(" ", 1)[0]))
+    return out
+
+
+def cgroup2_mount(mountinfo: str) -> str | None:
+    """The mount point of the cgroup2 hierarchy in /proc/self/mountinfo text, one nft can
+    name (under /sys/fs/cgroup) first (pure)."""
+    points = [point for point, fstype in _mounts(mountinfo) if fstype == "cgroup2"]
+    nameable = [p for p in points if p == NFT_CGROUP_ROOT or nft_name(p) is not None]
+    found = nameable or points
+    return found[0] if found else None
+
+
+def cgroup2_mount_target(mountinfo: str, empty_dir: Callable[[str], bool]) -> str | None:
+    """Where to mount cgroup2 so that nft can name it, when this mount namespace shows none
+    under /sys/fs/cgroup: the first of /sys/fs/cgroup and /sys/fs/cgroup/unified that is not
+    a mount point and is an empty directory (``empty_dir``), so nothing is ever covered; None
+    when there is one already or neither is free (pure)."""
+    mounts = _mounts(mountinfo)
+    if any(t == "cgroup2" and (p == NFT_CGROUP_ROOT or nft_name(p) is not None)
+           for p, t in mounts):
+        return None
+    points = {p for p, _t in mounts}
+    for target in (NFT_CGROUP_ROOT, os.path.join(NFT_CGROUP_ROOT, "unified")):
+        if target not in points and empty_dir(target):
+            return target
     return None
+
+
+def _empty_dir(path: str) -> bool:
+    try:
+        return os.path.isdir(path) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def mount_cgroup2(target: str) -> None:
+    """Mount the cgroup2 hierarchy at ``target`` in this process's mount namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RELATIME
+    if libc.mount(b"cgroup2", target.encode(), b"cgroup2", flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount cgroup2 on {target}: {os.strerror(err)}")
 
 
 def own_cgroup2_path(proc_cgroup: str) -> str | None:
@@ -199,13 +250,19 @@ def setup_proxy_cgroup(name: str = PROXY_CGROUP_NAME) -> ProxyCgroup:
     """Create ``<agent cgroup>/<name>`` and prove the nft match on it; never raises."""
     try:
         with open("/proc/self/mountinfo") as f:
-            mount = cgroup2_mount(f.read())
+            mountinfo = f.read()
         with open("/proc/self/cgroup") as f:
             own = own_cgroup2_path(f.read())
+        mounted = _mount_where_nft_looks(mountinfo)
+        if mounted:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        mount = cgroup2_mount(mountinfo)
     except OSError as e:
         return ProxyCgroup(problem=f"cannot read this process's cgroups: {e}")
     if mount is None or own is None:
-        return ProxyCgroup(problem="no cgroup v2 hierarchy is mounted (cgroup v1 only)")
+        return ProxyCgroup(problem="no cgroup v2 hierarchy is mounted, and none could be "
+                                   "mounted (cgroup v1 only)")
     directory = os.path.normpath(os.path.join(mount, own.lstrip("/"), name))
     nft_path = nft_name(directory)
     if nft_path is None:
@@ -228,6 +285,34 @@ def setup_proxy_cgroup(name: str = PROXY_CGROUP_NAME) -> ProxyCgroup:
     log.info("proxy cgroup %s: pod rules match it as socket cgroupv2 level %d %r",
              directory, level, nft_path)
     return ProxyCgroup(directory, nft_path, level)
+
+
+def _mount_where_nft_looks(mountinfo: str) -> bool:
+    """Mount cgroup2 under /sys/fs/cgroup when this mount namespace shows none there and the
+    kernel has it; True when mounted. A failure is logged: the caller reports what it sees."""
+    target = cgroup2_mount_target(mountinfo, _empty_dir)
+    if target is None:
+        return False
+    if not _kernel_has_cgroup2():
+        return False
+    try:
+        mount_cgroup2(target)
+    except OSError as e:
+        log.warning("no cgroup2 under %s in this mount namespace, and mounting one failed: %s",
+                    NFT_CGROUP_ROOT, e)
+        return False
+    log.info("no cgroup2 under %s in this mount namespace (e.g. started under ip netns exec): "
+             "mounted the cgroup2 hierarchy at %s for the proxy's cgroup match",
+             NFT_CGROUP_ROOT, target)
+    return True
+
+
+def _kernel_has_cgroup2() -> bool:
+    try:
+        with open("/proc/filesystems") as f:
+            return any(line.split()[-1:] == ["cgroup2"] for line in f)
+    except OSError:
+        return False
 
 
 def remove_if_empty(directory: str | None) -> None:
