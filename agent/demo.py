@@ -129,19 +129,26 @@ class Demo:
         from agent.identity.ca_dir import make_ca
         ca = os.path.join(self.workdir, "ca")
         make_ca(ca)
+        # The demo is its own kubelet: its conflist (bridge + host-local + aether-cni) and its
+        # plugin dir (the shim cni-install deploys) are what the agent's status reads.
+        self.kubelet = Kubelet(self.workdir, self.bridge, SUBNET4, SUBNET6,
+                               {"agent_socket": os.path.join(self.run_dir, "cni.sock"),
+                                "capture_redirect_all_default": True})
+        conf_dir = os.path.join(self.workdir, "net.d")
+        os.makedirs(conf_dir)
+        with open(os.path.join(conf_dir, "10-aether-demo.conflist"), "w") as f:
+            json.dump(self.kubelet.conflist, f, indent=2)
         log = open(os.path.join(self.workdir, "agent.log"), "wb")  # noqa: SIM115
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "agent.cli", "run", "--manifests", self.mdir, "--node-name",
              "demo-node", "--run-dir", self.run_dir, "--identity-ca-dir", ca,
+             "--cni-conf-dir", conf_dir, "--cni-bin-dir", self.kubelet.plugin_dir,
              "--metrics-port", "0", "--log-format", "json"], stdout=log, stderr=log)
         self._wait(lambda: os.path.exists(os.path.join(self.run_dir, "status.sock")), 60,
                    "the agent did not start")
         self._wait(lambda: self._admin("/ready").strip() == "LIVE", 60, "Envoy did not get ready")
 
         _say(3, self.STEPS, "creating pods through bridge + host-local + aether-cni (as kubelet)")
-        self.kubelet = Kubelet(self.workdir, self.bridge, SUBNET4, SUBNET6,
-                               {"agent_socket": os.path.join(self.run_dir, "cni.sock"),
-                                "capture_redirect_all_default": True})
         for name in ("echo-v1-0", "echo-v2-0", "client"):
             pod = self.kubelet.new_pod(NS, name)
             self.kubelet.add(pod)

@@ -60,6 +60,27 @@ def meshpod_lines(mp: dict[str, Any] | None, kinds: dict[str, int]) -> list[str]
     return lines
 
 
+# Envoy's ACKed versions are keyed by type URL; a person reads the resource kind.
+_KINDS = (("Cluster", "clusters"), ("Listener", "listeners"),
+          ("ClusterLoadAssignment", "endpoints"), ("RouteConfiguration", "routes"),
+          ("Secret", "secrets"))
+
+
+def acked_versions(acked: object) -> str:
+    """``clusters v7, listeners v7, endpoints v6, secrets v7`` from {type URL: version}."""
+    if not isinstance(acked, dict) or not acked:
+        return "none yet" if not acked else str(acked)
+    names = {kind: plural for kind, plural in _KINDS}
+    order = [plural for _kind, plural in _KINDS]
+    parts: list[tuple[int, str]] = []
+    for url, version in acked.items():
+        kind = str(url).rsplit(".", 1)[-1]
+        label = names.get(kind, kind)
+        rank = order.index(label) if label in order else len(order)
+        parts.append((rank, f"{label} v{version}"))
+    return ", ".join(text for _rank, text in sorted(parts))
+
+
 def _duration(seconds: float) -> str:
     if seconds < 0:
         return "expired"
@@ -87,7 +108,8 @@ def render(st: dict[str, Any]) -> str:
         lines.append(
             f"  envoy: pid {envoy.get('pid')} · ready {envoy.get('ready')} · restarts "
             f"{envoy.get('restarts')} · rss {int(envoy.get('rss_bytes') or 0) // (1 << 20)} MiB"
-            f" · acked {envoy.get('acked_version')} · nacks {envoy.get('nack_count', 0)}"
+            f" · acked: {acked_versions(envoy.get('acked_version'))}"
+            f" · nacks {envoy.get('nack_count', 0)}"
         )
         if envoy.get("admin"):
             lines.append(f"    admin: {envoy['admin']}")
