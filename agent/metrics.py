@@ -162,9 +162,14 @@ class _MeshTrafficCollector(Collector):
             "(identity, caller) series were already held.", value=float(st.get("folded") or 0))
 
 
-# src_pod: the calling pod with --traffic-source-pods, "" (no value) otherwise
-PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod"]
-REQUEST_LABELS = [*PAIR_LABELS, "route", "code", "code_class", "grpc_status", "response_flags"]
+# src_pod: the calling pod with --traffic-source-pods, "" (no value) otherwise; reporter:
+# whose proxy counted it, "source" or "destination" (each request by exactly one)
+PAIR_LABELS = ["src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod",
+               "reporter"]
+# src_identity, dst_workload: set on what the destination counted (it knows the caller's
+# SPIFFE identity and its own workload, not the caller's workload)
+REQUEST_LABELS = [*PAIR_LABELS, "route", "code", "code_class", "grpc_status", "response_flags",
+                  "src_identity", "dst_workload"]
 
 
 class _TrafficCollector(Collector):
@@ -194,7 +199,8 @@ class _TrafficCollector(Collector):
         for r in snap.get("requests") or []:
             pair = tuple(r[k] for k in PAIR_LABELS)
             code = int(r["code"]) if str(r["code"]).isdigit() else 0
-            key = (*pair, r["route"], r["code"], code_class(code), r["grpc_status"], r["flags"])
+            key = (*pair, r["route"], r["code"], code_class(code), r["grpc_status"], r["flags"],
+                   r["src_identity"], r["dst_workload"])
             req[key] = req.get(key, 0) + r["count"]
         hist: dict[tuple[str, ...], tuple[list[int], float]] = {}
         for d in snap.get("durations") or []:
@@ -203,14 +209,17 @@ class _TrafficCollector(Collector):
             hist[pair] = ([x + y for x, y in zip(b, d["buckets"], strict=True)], total + d["sum_s"])
         fam = CounterMetricFamily("aether_requests", "HTTP/gRPC requests from captured pods, "
                                   "by source workload, destination Service, route and outcome "
-                                  "(HTTP status, gRPC status, Envoy response flags).",
+                                  "(HTTP status, gRPC status, Envoy response flags); on "
+                                  "undeclared ports with mesh identity, counted by the "
+                                  "destination (reporter=destination: by the caller's "
+                                  "identity and the destination workload).",
                                   labels=REQUEST_LABELS)
         for key, n in sorted(req.items()):
             fam.add_metric(list(key), n)
         yield fam
         bounds = [str(b) for b in snap.get("buckets") or []] + ["+Inf"]
         h = HistogramMetricFamily("aether_request_duration_seconds",
-                                  "Request duration as the caller's proxy saw it (first request "
+                                  "Request duration as the reporting proxy saw it (first request "
                                   "byte to last response byte; Envoy flushes it every 5 s).",
                                   labels=PAIR_LABELS)
         for pair, (buckets, total) in sorted(hist.items()):

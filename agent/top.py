@@ -58,8 +58,13 @@ def pod_workload(snap: dict[str, Any], pod: str | None) -> str | None:
 def _rows(snap: dict[str, Any], by: str, namespace: str | None, pod: str | None
           ) -> dict[str, Row]:
     def name(r: dict[str, Any]) -> str:
-        return (f"{r['dst_namespace']}/{r['dst_service']}" if by == "service"
-                else f"{r['src_namespace']}/{r['src_workload']}")
+        # what a destination counted names its workload where this node does not hold the
+        # Service, and the caller by its identity (it does not know the caller's workload)
+        if by == "service":
+            return f"{r['dst_namespace']}/{r['dst_service'] or r.get('dst_workload') or '?'}"
+        if r["src_workload"] or not r.get("src_identity"):
+            return f"{r['src_namespace']}/{r['src_workload']}"
+        return f"sa:{r['src_identity']}"
 
     workload = pod_workload(snap, pod)
     out: dict[str, Row] = {}

@@ -5,6 +5,7 @@ same numbers."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -299,5 +300,110 @@ def test_the_calling_pod_is_labelled_where_wanted(workdir: str, bridge_name: str
             text = n.agent.http("/metrics")[1]
             assert _metric(text, "aether_requests_total", src_pod="caller-0",
                            src_workload="caller-0") == 4  # the workload label stays
+        finally:
+            srv.shutdown()
+
+
+PLAIN_IP, ROUTED_IP = "10.96.72.20", "10.96.72.21"
+
+
+def _kept_alive(netns: str, ip: str, count: int, path: str = "/") -> list[int]:
+    """``count`` GETs on one kept-alive connection (only its first bytes are detected)."""
+    import http.client
+
+    def work() -> list[int]:
+        conn = http.client.HTTPConnection(ip, 80, timeout=5)
+        out = []
+        try:
+            for _ in range(count):
+                conn.request("GET", path)
+                r = conn.getresponse()
+                r.read()
+                out.append(r.status)
+        finally:
+            conn.close()
+        return out
+    return run_in_netns(netns, work)
+
+
+def test_http_on_an_undeclared_port_is_counted_once_by_the_destination(workdir: str,
+                                                                       bridge_name: str
+                                                                       ) -> None:
+    """Mesh identity on. Service plain has no appProtocol: the caller's proxy relays its
+    bytes, the destination detects HTTP and counts every request there, exactly N
+    (new connections and kept-alive ones, a 503 among them), reporter=destination, by the
+    caller's identity and the pod's workload, the Service named. Service routed (no
+    appProtocol either) has an HTTPRoute sending to plain: the caller's proxy parses and
+    counts those requests (reporter=source) and the destination does not count them again
+    (they cross on aether-mesh-http). No request is counted twice."""
+    from agent.identity.ca_dir import make_ca
+    ca = os.path.join(workdir, "ca")
+    make_ca(ca, "cluster.local")
+    plain_port = {"name": "p", "port": 80, "targetPort": 8080}
+    with running(EnvoyNode(workdir, bridge_name, extra=[
+            "--identity-ca-dir", ca, "--trust-domain", "cluster.local"])) as n:
+        n.agent.write("svcs.yaml", [
+            {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "plain", "namespace": "app"},
+             "spec": {"clusterIP": PLAIN_IP, "clusterIPs": [PLAIN_IP],
+                      "selector": {"app": "plain"}, "ports": [plain_port]}},
+            {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "routed", "namespace": "app"},
+             "spec": {"clusterIP": ROUTED_IP, "clusterIPs": [ROUTED_IP],
+                      "selector": {"app": "nobody"}, "ports": [plain_port]}},
+            {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+             "metadata": {"name": "to-plain", "namespace": "app"},
+             "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "routed",
+                                      "port": 80}],
+                      "rules": [{"backendRefs": [{"name": "plain", "port": 80}]}]}}])
+        server = n.pod(name="plain-0", labels={"app": "plain"}, service_account="server")
+        caller = n.pod(name="caller-0", service_account="client",
+                       annotations={"aether.io/dependencies": "app/plain,app/routed"})
+        for p in (server, caller):
+            n.add(p)
+        srv = http_echo_server(server.netns, "0.0.0.0", 8080, "plain-0")
+        try:
+            for ip in (PLAIN_IP, ROUTED_IP):
+                _until(lambda ip=ip: http_get_from(caller.netns, ip, 80, count=1,
+                                                   timeout=3)[0][0] == 200,
+                       f"{ip} never answered")
+            dst = dict(reporter="destination", dst_namespace="app")
+
+            def counted(text: str, **labels: str) -> float:
+                return _metric(text, "aether_requests_total", **labels)
+            _until(lambda: counted(n.agent.http("/metrics")[1], **dst) >= 1,
+                   "the destination counted nothing")
+            time.sleep(FLUSH_S)  # past a flush: the warm-up requests are in the baseline
+            text0 = n.agent.http("/metrics")[1]
+            k, fresh, kept, routed = 3, 12, 25, 9
+            got = [s for s, _h, _b in http_get_from(caller.netns, PLAIN_IP, 80, count=fresh)]
+            got += [s for s, _h, _b in http_get_from(caller.netns, PLAIN_IP, 80,
+                                                     path="/status/503", count=k)]
+            got += _kept_alive(caller.netns, PLAIN_IP, kept)
+            assert got == [200] * fresh + [503] * k + [200] * kept, got
+            assert _kept_alive(caller.netns, ROUTED_IP, routed) == [200] * routed
+            total = fresh + k + kept
+
+            def delta(text: str, name: str = "aether_requests_total", **labels: str) -> float:
+                return _metric(text, name, **labels) - _metric(text0, name, **labels)
+
+            def settled() -> bool:
+                text = n.agent.http("/metrics")[1]
+                return (delta(text, dst_service="plain", **dst) == total
+                        and delta(text, reporter="source", dst_service="routed") == routed)
+            _until(settled, "the counts never reached N", timeout=FLUSH_S * 4)
+            time.sleep(FLUSH_S)  # another flush: nothing more may arrive
+            text = n.agent.http("/metrics")[1]
+            mine = dict(src_identity="app/client", src_namespace="app", dst_workload="plain-0")
+            assert delta(text, dst_service="plain", **dst, **mine) == total
+            assert delta(text, dst_service="plain", code="503", **dst) == k
+            assert delta(text, "aether_request_duration_seconds_count", dst_service="plain",
+                         **dst) == total
+            # counted once: the caller relayed plain's bytes (no source count) and parsed
+            # routed's requests (no destination count)
+            assert delta(text, reporter="source", dst_service="plain") == 0
+            assert delta(text, reporter="source", dst_service="routed") == routed
+            assert delta(text, **dst) == total, "the destination counted routed's requests"
+            assert delta(text) == total + routed
         finally:
             srv.shutdown()

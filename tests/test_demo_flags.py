@@ -74,7 +74,7 @@ def _routed_hcm() -> hcm_pb2.HttpConnectionManager:
     assert not isinstance(chains, listener_components_pb2.FilterChain)
     (chain,) = chains  # appProtocol http: the HCM chain only
     hcm = hcm_pb2.HttpConnectionManager()
-    assert chain.filters[0].typed_config.Unpack(hcm)
+    assert chain.filters[-1].typed_config.Unpack(hcm)
     return hcm
 
 

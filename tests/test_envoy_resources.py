@@ -683,7 +683,7 @@ def test_session_persistence_puts_envoys_stateful_session_before_the_router() ->
         mesh = build_resources(_svc_state(view))[LISTENER_TYPE]["mesh"].message()
         (chain,) = [c for c in mesh.filter_chains if c.name.endswith("|http")]
         hcm = hcm_pb2.HttpConnectionManager()
-        chain.filters[0].typed_config.Unpack(hcm)
+        chain.filters[-1].typed_config.Unpack(hcm)
         return hcm
 
     port = ServicePort(80, "http", target_port=8080, app_protocol="http")

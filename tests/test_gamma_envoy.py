@@ -359,13 +359,13 @@ def test_service_port_chains_shapes() -> None:
                                  cluster_name=service_cluster_name)
     assert [list(c.filter_chain_match.application_protocols) for c in detect] == [
         ["http/1.1", "h2c"], []]
-    assert detect[0].filters[0].name == "envoy.filters.network.http_connection_manager"
-    assert detect[1].filters[0].name == "envoy.filters.network.tcp_proxy"
+    assert detect[0].filters[-1].name == "envoy.filters.network.http_connection_manager"
+    assert detect[1].filters[-1].name == "envoy.filters.network.tcp_proxy"
     only_http = service_port_chains(v, p9090, res.table_for(v.key, 9090, "ns"),
                                     tcp_chain=service_chain, cluster_name=service_cluster_name)
     assert len(only_http) == 1 and not only_http[0].filter_chain_match.application_protocols
     assert service_port_chains(v, p80, None, tcp_chain=service_chain,
-                               cluster_name=service_cluster_name)[0].filters[0].name \
+                               cluster_name=service_cluster_name)[0].filters[-1].name \
         == "envoy.filters.network.tcp_proxy"
     tcp_app = ServicePort(5432, "pg", app_protocol="postgresql")
     assert len(service_port_chains(v, tcp_app, res.table_for(v.key, 80, "ns"),
@@ -477,9 +477,10 @@ def test_an_http_port_is_balanced_per_request_without_a_route() -> None:
         chains = chains if isinstance(chains, list) else [chains]
         names = [f.name for c in chains for f in c.filters]
         if port.port in (9090, 9091, 80):
-            assert names == ["envoy.filters.network.http_connection_manager"], names
+            assert names == ["envoy.filters.network.set_filter_state",
+                             "envoy.filters.network.http_connection_manager"], names
             hcm = hcm_pb2.HttpConnectionManager()
-            chains[0].filters[0].typed_config.Unpack(hcm)
+            chains[0].filters[-1].typed_config.Unpack(hcm)
             route = hcm.route_config.virtual_hosts[0].routes[0]
             assert route.route.cluster == service_cluster_name("app", "s", port.port)
             assert route.route.timeout.ToNanoseconds() == 0  # streams are not cut

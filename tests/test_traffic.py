@@ -118,12 +118,14 @@ def test_the_metrics_export_the_snapshot() -> None:
     m.traffic_source = lambda: snap
     out = m.render().decode()
     assert ('aether_requests_total{code="200",code_class="2xx",dst_namespace="app",'
-            'dst_service="web",grpc_status="",response_flags="",route="",src_namespace="app",'
+            'dst_service="web",dst_workload="",grpc_status="",reporter="source",'
+            'response_flags="",route="",src_identity="",src_namespace="app",'
             'src_pod="",src_workload="a"} 2.0') in out
     assert ('aether_request_duration_seconds_count{dst_namespace="app",dst_service="web",'
-            'src_namespace="app",src_pod="",src_workload="a"} 2.0') in out
+            'reporter="source",src_namespace="app",src_pod="",src_workload="a"} 2.0') in out
     assert ('aether_request_duration_seconds_bucket{dst_namespace="app",dst_service="web",'
-            'le="0.01",src_namespace="app",src_pod="",src_workload="a"} 2.0') in out
+            'le="0.01",reporter="source",src_namespace="app",src_pod="",src_workload="a"} 2.0'
+            ) in out
 
 
 def test_the_calling_pod_is_a_label_where_wanted() -> None:
@@ -230,3 +232,89 @@ def test_envoys_one_tag_packs_every_label_and_a_stray_series_is_skipped() -> Non
     # wrong shape is no series of ours
     assert list(series.requests) == [("app/a", "svc|app|web|80|http", "", "200", "", "")]
     assert series.tcp == {}
+
+
+def _inbound(caller: str, dst: str, code: str, values: Sequence[float]) -> str:
+    """Envoy's answer for one series of the destination's detection HCM."""
+    from agent.envoy.golden import DURATION_BUCKETS_US, INBOUND_STAT
+    tags = f'key="{caller};{dst};{code};-;-"'
+    lines = [f'envoy_aether_{INBOUND_STAT}_bucket{{{tags},le="{b}"}} '
+             f"{sum(1 for v in values if v <= b)}" for b in DURATION_BUCKETS_US]
+    lines += [f'envoy_aether_{INBOUND_STAT}_bucket{{{tags},le="+Inf"}} {len(values)}',
+              f"envoy_aether_{INBOUND_STAT}_sum{{{tags}}} {sum(values)}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_requests_counted_by_the_destination_carry_the_callers_identity() -> None:
+    """What the destination's proxy counted (an undeclared port: the caller relayed bytes)
+    is reporter=destination, by the caller's identity and the pod's workload, its Service
+    named where this node holds it (one Service backed by that workload port) and "" where
+    it does not; requests the caller counted stay reporter=source; nothing is summed across."""
+    from types import SimpleNamespace
+
+    from agent.envoy.golden import service_resolver
+    from agent.scope.model import Endpoint
+    text = prom(requests=[("app/a", "svc|app|web|80|http", "-", "200", "-", "-", [5])])
+    text += _inbound("spiffe://td/ns/app/sa/client", "app/echo|8080", "200", [1000] * 30)
+    text += _inbound("spiffe://td/ns/app/sa/client", "app/echo|8080", "503", [1000] * 2)
+    text += _inbound("spiffe://td/ns/app/sa/client", "app/other|9000", "200", [1000])
+    pods = [SimpleNamespace(ips=("10.0.0.5",), namespace="app", workload="echo", uid="u1"),
+            SimpleNamespace(ips=("10.0.0.6",), namespace="app", workload="other", uid="u2")]
+    views = [SimpleNamespace(namespace="app", name="echo",
+                             endpoints={80: (Endpoint("10.0.0.5", 8080, "app/server", True, False),)})]
+    snap = GoldenFold().snapshot(parse_prometheus(text), service_resolver(views, pods))
+    rows = {(r["reporter"], r["src_identity"], r["src_workload"], r["dst_service"],
+             r["dst_workload"], r["code"]): r["count"] for r in snap["requests"]}  # type: ignore[attr-defined]
+    assert rows == {("source", "", "a", "web", "", "200"): 1,
+                    ("destination", "app/client", "", "echo", "echo", "200"): 30,
+                    ("destination", "app/client", "", "echo", "echo", "503"): 2,
+                    ("destination", "app/client", "", "", "other", "200"): 1}
+    pairs = {(d["reporter"], d["dst_service"]): sum(d["buckets"])
+             for d in snap["durations"]}  # type: ignore[attr-defined]
+    assert pairs == {("source", "web"): 1, ("destination", "echo"): 32, ("destination", ""): 1}
+    m = Metrics()
+    m.traffic_source = lambda: snap
+    out = m.render().decode()
+    assert ('aether_requests_total{code="503",code_class="5xx",dst_namespace="app",'
+            'dst_service="echo",dst_workload="echo",grpc_status="",reporter="destination",'
+            'response_flags="",route="",src_identity="app/client",src_namespace="app",'
+            'src_pod="",src_workload=""} 2.0') in out
+    # a malformed key (no port) is counted, as unknown, not dropped
+    odd = parse_prometheus(_inbound("", "garbage", "200", [1]))
+    (r,) = GoldenFold().snapshot(odd)["requests"]  # type: ignore[misc]
+    assert (r["dst_workload"], r["src_identity"], r["count"]) == ("unknown", "unauthenticated", 1)
+
+
+def test_the_destinations_logger_counts_what_the_caller_did_not_parse() -> None:
+    """The detection HCM of inbound-detect carries the destination's stats logger (keyed by
+    the caller's SPIFFE ID and the pod's workload|port, which the inbound listener sets for
+    it); every HTTP chain of the capture path marks its connections so mtls-out asks for
+    aether-mesh-http (the destination does not parse, nor count, them again)."""
+    from envoy.extensions.access_loggers.stats.v3 import stats_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import (
+        http_connection_manager_pb2 as hcm_pb2,
+    )
+
+    from agent.envoy import mtls
+    from agent.envoy.golden import INBOUND_FIELDS, INBOUND_STAT, KEY_SEP
+    from agent.envoy.http_routes import HTTP_HOP_STATE, http_filter_chain
+    lis = mtls.build_inbound_detect_listener()
+    (chain,) = lis.filter_chains
+    hcm = hcm_pb2.HttpConnectionManager()
+    chain.filters[0].typed_config.Unpack(hcm)
+    (log,) = hcm.access_log
+    cfg = stats_pb2.Config()
+    log.typed_config.Unpack(cfg)
+    (hist,) = cfg.histograms
+    assert hist.stat.name == INBOUND_STAT
+    fields = hist.stat.tags[0].value_format.split(KEY_SEP)
+    assert len(fields) == len(INBOUND_FIELDS)
+    assert fields[0] == f"%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:peer)%"
+    assert fields[1] == f"%FILTER_STATE({mtls.DESTINATION_STATE}:PLAIN)%"
+    out = mtls.build_mtls_out_listener()
+    tree = out.filter_chain_matcher.matcher_tree
+    assert dict(tree.exact_match_map.map)["1"].action.name == "mtls-http"
+    assert b"aether-mesh-http" in out.filter_chains[0].SerializeToString()
+    assert HTTP_HOP_STATE.encode() in tree.input.typed_config.value
+    chain = http_filter_chain("c", chain.filter_chain_match, hcm)
+    assert HTTP_HOP_STATE.encode() in chain.filters[0].typed_config.value

@@ -23,13 +23,26 @@ Pure: resource builders and the admin's Prometheus text in, plain data out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.extensions.access_loggers.stats.v3 import stats_pb2
 
 from agent.envoy.traffic import BUCKETS, MAX_SERIES, OTHER, Labels, destination
+from agent.identity.svid import parse_spiffe_id
+
+# (namespace, workload, target port) of a pod on this node -> the Service name ("" unknown)
+Resolve = Callable[[str, str, int], str]
+DESTINATION = "destination"
+UNAUTHENTICATED = "unauthenticated"  # as agent.envoy.mesh_traffic says it
+
+
+def identity_of(uri: str) -> str:
+    """``spiffe://td/ns/<ns>/sa/<sa>`` -> ``<ns>/<sa>``; anything else -> "unknown"."""
+    parsed = parse_spiffe_id(uri)
+    return f"{parsed[1]}/{parsed[2]}" if parsed is not None else "unknown"
 
 STAT_PREFIX = "aether"
 # filter state: "<namespace>/<workload>" of the calling pod ("<namespace>/<workload>/<pod>"
@@ -51,6 +64,11 @@ REQUEST_FIELDS = (("src", SOURCE_FORMAT), ("chain", "%FILTER_CHAIN_NAME%"),
                   ("grpc", "%GRPC_STATUS%"), ("flags", "%RESPONSE_FLAGS%"))
 TCP_FIELDS = (("src", SOURCE_FORMAT), ("chain", "%FILTER_CHAIN_NAME%"),
               ("flags", "%RESPONSE_FLAGS%"))
+# Requests counted by the destination's proxy (``inbound_stats_log``): the caller's SPIFFE
+# ID and ``<ns>/<workload>|<port>`` of the pod it reached; the same outcome fields.
+INBOUND_FIELDS = (("caller", ""), ("dst", ""), ("code", "%RESPONSE_CODE%"),
+                  ("grpc", "%GRPC_STATUS%"), ("flags", "%RESPONSE_FLAGS%"))
+INBOUND_STAT = "inbound_request_duration"
 
 # gRPC status names (%GRPC_STATUS%) → the numbers the metrics label carries
 GRPC_CODES = {name: str(i) for i, name in enumerate((
@@ -91,6 +109,27 @@ def http_stats_log() -> accesslog_pb2.AccessLog:
     return _HTTP_LOG
 
 
+_INBOUND_LOGS: dict[tuple[str, str], accesslog_pb2.AccessLog] = {}
+
+
+def inbound_stats_log(caller_fmt: str, dst_fmt: str) -> accesslog_pb2.AccessLog:
+    """The logger of the destination's detection HCM (``mtls.build_inbound_detect_listener``):
+    requests the caller's proxy relayed as bytes (an undeclared port) are counted once, here,
+    by (caller SPIFFE ID, destination workload and port, status, gRPC status, flags). Every
+    request the caller's proxy parsed crosses on aether-mesh-http instead, never this HCM,
+    so no request is counted at both ends."""
+    key = (caller_fmt, dst_fmt)
+    if key not in _INBOUND_LOGS:
+        fields = (("caller", caller_fmt), ("dst", dst_fmt), *INBOUND_FIELDS[2:])
+        _INBOUND_LOGS[key] = _logger(stats_pb2.Config(
+            stat_prefix=STAT_PREFIX,
+            histograms=[stats_pb2.Config.Histogram(
+                stat=_stat(INBOUND_STAT, fields),
+                unit=stats_pb2.Config.Histogram.Microseconds,
+                value_format="%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%")]))
+    return _INBOUND_LOGS[key]
+
+
 def tcp_stats_log() -> accesslog_pb2.AccessLog:
     """An L4 Service chain's logger: connections (counted when they close) by (source,
     chain, flags). One stat: bytes per source would be two more tagged stats a connection
@@ -114,8 +153,9 @@ def bootstrap_stats_config() -> dict[str, object]:
     whose tags the stats access loggers set explicitly (``_stat``), from Prometheus."""
     return {"use_all_default_tags": False,
             "histogram_bucket_settings": [{
-                "match": {"prefix": f"{STAT_PREFIX}.request_duration"},
-                "buckets": list(DURATION_BUCKETS_US)}]}
+                "match": {"prefix": f"{STAT_PREFIX}.{name}"},
+                "buckets": list(DURATION_BUCKETS_US)}
+                for name in ("request_duration", INBOUND_STAT)]}
 
 
 # ---- reading Envoy's stats back ---------------------------------------------------------
@@ -143,6 +183,8 @@ class Series:
     # and "+Inf", sum in µs); the "+Inf" count is the number of requests
     requests: dict[tuple[str, ...], tuple[dict[str, float], float]] = field(default_factory=dict)
     tcp: dict[tuple[str, ...], float] = field(default_factory=dict)  # connections
+    # (caller, dst, code, grpc, flags) -> as ``requests``: counted by the destination
+    inbound: dict[tuple[str, ...], tuple[dict[str, float], float]] = field(default_factory=dict)
 
 
 def parse_prometheus(text: str) -> Series:
@@ -157,16 +199,19 @@ def parse_prometheus(text: str) -> Series:
             value = float(raw)
         except ValueError:
             continue
-        if name in ("request_duration_bucket", "request_duration_sum"):
-            key = _fields(labels, len(REQUEST_FIELDS))
+        stat, _, part = name.rpartition("_")
+        if stat in ("request_duration", INBOUND_STAT) and part in ("bucket", "sum"):
+            into, n = ((out.requests, len(REQUEST_FIELDS)) if stat == "request_duration"
+                       else (out.inbound, len(INBOUND_FIELDS)))
+            key = _fields(labels, n)
             if key is None:
                 continue
-            buckets, total = out.requests.get(key, ({}, 0.0))
-            if name == "request_duration_bucket":
+            buckets, total = into.get(key, ({}, 0.0))
+            if part == "bucket":
                 buckets[labels.get("le", "")] = value
             else:
                 total = value
-            out.requests[key] = (buckets, total)
+            into[key] = (buckets, total)
         elif name == "tcp_connections":
             tkey = _fields(labels, len(TCP_FIELDS))
             if tkey is None:
@@ -209,28 +254,48 @@ class GoldenFold:
             return True
         return False
 
-    def snapshot(self, series: Series) -> dict[str, object]:
+    def snapshot(self, series: Series, resolve: Resolve | None = None) -> dict[str, object]:
         """Plain data for ``/metrics``, ``status`` and ``aether-agent top``: requests and
-        connections by labels, request durations by (source, destination) pair."""
+        connections by labels, request durations by (source, destination) pair.
+        ``resolve`` names the Service of a destination-counted request: (namespace,
+        workload, target port) -> Service name, "" when this node does not know it."""
         folded = 0.0
         requests: dict[Labels, float] = {}
         durations: dict[tuple[str, ...], tuple[list[int], float]] = {}
-        for (src, chain, route, code, grpc, flags), (cum, total_us) in sorted(
-                series.requests.items()):
-            ns, workload, pod = _source(src)
-            dst_ns, dst = destination(chain)
+
+        def count(labels: Labels, pair: tuple[str, ...], cum: dict[str, float],
+                  total_us: float) -> None:
+            nonlocal folded
             n = cum.get("+Inf", 0.0)
-            labels = Labels(ns, workload, dst_ns, dst, route=route,
-                            code="" if code in ("0", "") else code,
-                            grpc_status=GRPC_CODES.get(grpc, grpc), flags=flags, src_pod=pod)
-            pair = (ns, workload, dst_ns, dst, pod)
             if not self._keep(labels):
-                labels, folded, pair = _OTHER, folded + n, (OTHER, OTHER, OTHER, OTHER, "")
+                labels, folded = replace(_OTHER, reporter=labels.reporter), folded + n
+                pair = (OTHER, OTHER, OTHER, OTHER, "", labels.reporter)
             requests[labels] = requests.get(labels, 0.0) + n
             counts = _interval(cum)
             old, old_total = durations.get(pair, ([0] * len(counts), 0.0))
             durations[pair] = ([a + b for a, b in zip(old, counts, strict=True)],
                                old_total + total_us / 1e6)
+
+        for (src, chain, route, code, grpc, flags), (cum, total_us) in sorted(
+                series.requests.items()):
+            ns, workload, pod = _source(src)
+            dst_ns, dst = destination(chain)
+            labels = Labels(ns, workload, dst_ns, dst, route=route,
+                            code="" if code in ("0", "") else code,
+                            grpc_status=GRPC_CODES.get(grpc, grpc), flags=flags, src_pod=pod)
+            count(labels, (ns, workload, dst_ns, dst, pod, labels.reporter), cum, total_us)
+        for (caller, dst_key, code, grpc, flags), (cum, total_us) in sorted(
+                series.inbound.items()):
+            identity = identity_of(caller) if caller else UNAUTHENTICATED
+            src_ns = identity.partition("/")[0] if caller else ""
+            dst_ns, dst_workload, port = _destination_key(dst_key)
+            service = resolve(dst_ns, dst_workload, port) if resolve is not None else ""
+            labels = Labels(src_ns, "", dst_ns, service, route="",
+                            code="" if code in ("0", "") else code,
+                            grpc_status=GRPC_CODES.get(grpc, grpc), flags=flags,
+                            reporter=DESTINATION, src_identity=identity,
+                            dst_workload=dst_workload)
+            count(labels, (src_ns, "", dst_ns, service, "", DESTINATION), cum, total_us)
         tcp: dict[Labels, float] = {}
         for (src, chain, flags), conns in sorted(series.tcp.items()):
             ns, workload, pod = _source(src)
@@ -239,7 +304,8 @@ class GoldenFold:
             if not self._keep(labels):
                 labels, folded = _OTHER, folded + conns
             tcp[labels] = tcp.get(labels, 0.0) + conns
-        pair_keys = ("src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod")
+        pair_keys = ("src_namespace", "src_workload", "dst_namespace", "dst_service", "src_pod",
+                     "reporter")
         return {
             "requests": [{**_public(lab), "count": int(n)} for lab, n in requests.items()],
             "durations": [{**dict(zip(pair_keys, pair, strict=True)), "buckets": b,
@@ -249,10 +315,44 @@ class GoldenFold:
             "buckets": list(BUCKETS), "max_series": self.max_series, "folded": int(folded)}
 
 
+def _destination_key(key: str) -> tuple[str, str, int]:
+    """``<ns>/<workload>|<port>`` (``mtls.DESTINATION_STATE``) -> (ns, workload, port);
+    what does not parse -> ("", "unknown", 0)."""
+    who, _, port = key.rpartition("|")
+    ns, _, workload = who.partition("/")
+    if not ns or not workload or not port.isdigit():
+        return "", "unknown", 0
+    return ns, workload, int(port)
+
+
 def _public(lab: Labels, tcp_only: bool = False) -> dict[str, str]:
     out = {"src_namespace": lab.src_namespace, "src_workload": lab.src_workload,
            "dst_namespace": lab.dst_namespace, "dst_service": lab.dst_service,
-           "flags": lab.flags, "src_pod": lab.src_pod}
+           "flags": lab.flags, "src_pod": lab.src_pod, "reporter": lab.reporter}
     if not tcp_only:
-        out.update(route=lab.route, code=lab.code, grpc_status=lab.grpc_status)
+        out.update(route=lab.route, code=lab.code, grpc_status=lab.grpc_status,
+                   src_identity=lab.src_identity, dst_workload=lab.dst_workload)
     return out
+
+
+def service_resolver(views: Iterable[Any], pods: Iterable[Any]) -> Resolve:
+    """``Resolve`` over what this node holds: the Services (``ServiceView``) whose endpoints
+    are its pods (``PodListener``: addresses, namespace, workload). A workload port that
+    backs no Service here, or several, resolves to "" (not a guess)."""
+    workload_of: dict[str, tuple[str, str]] = {}
+    for p in pods:
+        for ip in p.ips:
+            workload_of[ip] = (p.namespace or "default", p.workload or p.uid)
+    found: dict[tuple[str, str, int], set[str]] = {}
+    if workload_of:
+        for v in views:
+            for eps in v.endpoints.values():
+                for ep in eps:
+                    who = workload_of.get(ep.ip)
+                    if who is not None and who[0] == v.namespace:
+                        found.setdefault((*who, ep.port), set()).add(v.name)
+
+    def resolve(namespace: str, workload: str, port: int) -> str:
+        names = found.get((namespace, workload, port), set())
+        return next(iter(names)) if len(names) == 1 else ""
+    return resolve

@@ -12,6 +12,7 @@ NACKed while a new backend's cluster is still on its way.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
@@ -33,7 +34,13 @@ from envoy.type.http.v3 import cookie_pb2
 from envoy.type.matcher.v3 import regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, range_pb2
 
-from agent.envoy.pieces import duration
+from agent.envoy.pieces import (
+    STRING_STATE_FACTORY,
+    TRANSITIVE,
+    duration,
+    set_filter_state,
+    state_value,
+)
 from agent.scope.model import ServiceView
 from agent.scope.route_tables import (
     GRPC_ROUTE,
@@ -402,11 +409,23 @@ def hcm_for(table: RouteTable, cluster_name: ClusterNameFn, *, stat_prefix: str 
     return hcm
 
 
+# Set (transitive) by every HTTP chain of a capture path: its requests were parsed, and
+# counted, by the caller's proxy. ``mtls-out`` then asks for aether-mesh-http whatever the
+# cluster's port declares, so the destination neither detects nor counts them again.
+HTTP_HOP_STATE = "aether.http_hop"
+
+
+@functools.cache
+def http_hop_state() -> listener_components_pb2.Filter:
+    """The filter an HTTP chain of a capture path runs first (see ``HTTP_HOP_STATE``)."""
+    return set_filter_state(state_value(HTTP_HOP_STATE, "1", STRING_STATE_FACTORY, TRANSITIVE))
+
+
 def http_filter_chain(name: str, match: listener_components_pb2.FilterChainMatch,
                       hcm: hcm_pb2.HttpConnectionManager) -> listener_components_pb2.FilterChain:
     f = listener_components_pb2.Filter(name=HCM_FILTER)
     f.typed_config.Pack(hcm)
-    chain = listener_components_pb2.FilterChain(name=name, filters=[f])
+    chain = listener_components_pb2.FilterChain(name=name, filters=[http_hop_state(), f])
     chain.filter_chain_match.CopyFrom(match)
     return chain
 

@@ -69,10 +69,16 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
+from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
 
-from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
+from agent.envoy.golden import inbound_stats_log
+from agent.envoy.http_routes import (
+    HTTP_HOP_STATE,
+    HTTP_PROTOCOL_OPTIONS_KEY,
+    upstream_http_protocol_options,
+)
 from agent.envoy.pieces import (
     NOT_SHARED,
     ONCE,
@@ -123,6 +129,9 @@ UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
 UPSTREAM_SAN_STATE = "envoy.network.upstream_subject_alt_names"
 ORIGINAL_DST_ADDRESS_STATE = "envoy.network.transport_socket.original_dst_address"
+# Set (transitive) by the inbound listener for inbound-detect: ``<ns>/<workload>|<port>``
+# of the pod a mesh connection is delivered to, the label its requests are counted under.
+DESTINATION_STATE = "aether.destination"
 # Endpoint metadata namespaces: original_dst's (the pod address, read by the original_dst
 # listener filter of mtls-out) and ours (the backend SAN).
 ORIGINAL_DST_METADATA = "envoy.filters.listener.original_dst"
@@ -281,19 +290,32 @@ def build_mtls_out_listener() -> listener_pb2.Listener:
     """Internal listener that opens the mesh hop: restores the pod address from the endpoint
     metadata, picks the caller's cluster, pins the backend SAN and names the destination
     port in SNI."""
-    state = set_filter_state(
-        state_value(TCP_PROXY_CLUSTER_STATE, f"%FILTER_STATE({CALLER_CLUSTER_STATE}:PLAIN)%",
-                    shared=NOT_SHARED),
-        state_value(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%"),
-        state_value(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%"),
-        state_value(APPLICATION_PROTOCOLS_STATE, f"%DYNAMIC_METADATA({HOP_METADATA}:alpn)%"),
-    )
-    return listener_pb2.Listener(
+    def chain(name: str, alpn: str) -> listener_components_pb2.FilterChain:
+        state = set_filter_state(
+            state_value(TCP_PROXY_CLUSTER_STATE, f"%FILTER_STATE({CALLER_CLUSTER_STATE}:PLAIN)%",
+                        shared=NOT_SHARED),
+            state_value(UPSTREAM_SAN_STATE, f"%DYNAMIC_METADATA({AETHER_METADATA}:san)%"),
+            state_value(UPSTREAM_SNI_STATE, "%DOWNSTREAM_LOCAL_PORT%"),
+            state_value(APPLICATION_PROTOCOLS_STATE, alpn),
+        )
+        return listener_components_pb2.FilterChain(
+            name=name, filters=[state, tcp_proxy_filter(MTLS_OUT_LISTENER, NO_IDENTITY_CLUSTER)])
+
+    # HTTP the caller's proxy parsed (HTTP_HOP_STATE) asks for aether-mesh-http; the rest
+    # for the ALPN of its cluster's port
+    http = chain("mtls-http", MESH_ALPN_HTTP)
+    lis = listener_pb2.Listener(
         name=MTLS_OUT_LISTENER, stat_prefix=MTLS_OUT_LISTENER,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=[original_dst_filter()],
-        default_filter_chain=listener_components_pb2.FilterChain(
-            name="mtls", filters=[state, tcp_proxy_filter(MTLS_OUT_LISTENER, NO_IDENTITY_CLUSTER)]))
+        listener_filters=[original_dst_filter()], filter_chains=[http],
+        default_filter_chain=chain("mtls", f"%DYNAMIC_METADATA({HOP_METADATA}:alpn)%"))
+    tree = lis.filter_chain_matcher.matcher_tree
+    tree.input.name = "http-hop"
+    tree.input.typed_config.Pack(network_inputs_pb2.FilterStateInput(key=HTTP_HOP_STATE))
+    action = tree.exact_match_map.map["1"].action
+    action.name = http.name
+    action.typed_config.Pack(wrappers_pb2.StringValue(value=http.name))
+    return lis
 
 
 def build_mtls_cluster(identity: str, tls: MeshTls, bind: address_pb2.BindConfig,
@@ -340,7 +362,7 @@ def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
 def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequence[str],
                            tls: MeshTls, ipv4: bool = True, ipv6: bool = True,
                            forbidden_ports: Sequence[int] = (),
-                           access_log: bool = False) -> listener_pb2.Listener:
+                           access_log: bool = False, workload: str = "") -> listener_pb2.Listener:
     """``inbound-<uid>``: the pod's end of the mesh hop, bound on the inbound port of every
     address in its netns. Terminates mTLS (a peer certificate of the trust domain and one of
     our ALPNs required); then, by the ALPN the caller's proxy chose from the Service port's
@@ -351,7 +373,8 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     * ``aether-mesh-tcp``: relayed as is to ``<pod ip>:<port>`` once the handshake is done;
     * ``aether-mesh`` (not declared): relayed to the internal listener ``inbound-detect``,
       which detects HTTP; both SPIFFE IDs go in a PROXY v2 header, the delivery address
-      and netns in filter state.
+      and netns in filter state, and ``workload`` (``<ns>/<workload>``, what the
+      requests detected there are counted under) with the port.
 
     The port is the server name. A server name that is one of the proxy's ports (a loop)
     matches a closing chain; one that is not a port is refused where it is delivered."""
@@ -391,7 +414,8 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     def detect(family: str) -> listener_components_pb2.FilterChain:
         # where inbound-detect delivers, crossing it (transitive): the pod's own address
         # and netns, the port the caller named
-        state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path, TRANSITIVE)
+        state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path, TRANSITIVE,
+                               destination=f"{workload or uid}|%REQUESTED_SERVER_NAME%")
         tcp = after_handshake()
         for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
                               (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%")):
@@ -458,13 +482,16 @@ def _deliver_target(ips: Sequence[str]) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
-def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ONCE
-                   ) -> listener_components_pb2.Filter:
+def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ONCE,
+                   destination: str = "") -> listener_components_pb2.Filter:
     """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns;
-    ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between."""
-    return set_filter_state(
-        state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}", shared=shared),
-        state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared))
+    ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between, which also
+    gets ``destination`` (``DESTINATION_STATE``)."""
+    values = [state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}", shared=shared),
+              state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared)]
+    if destination:
+        values.append(state_value(DESTINATION_STATE, destination, STRING_STATE_FACTORY, shared))
+    return set_filter_state(*values)
 
 
 def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
@@ -522,8 +549,12 @@ def build_inbound_detect_listener() -> listener_pb2.Listener:
     inspector = listener_components_pb2.ListenerFilter(
         name="envoy.filters.listener.http_inspector")
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
+    # its requests are counted here (the caller's proxy did not parse them: it sent them
+    # as bytes on an undeclared port), by the caller's SPIFFE ID and the pod's workload
     hcm_filter = _deliver_hcm(INBOUND_DETECT, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%",
-                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%")
+                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%",
+                              [inbound_stats_log(f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%",
+                                                 f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")])
     http_chain = listener_components_pb2.FilterChain(
         name="http", filters=[hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(

@@ -1391,7 +1391,8 @@ class ResourceBuilder:
         if tls is not None and has_id and pod.ips:
             entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
                 pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
-                forbidden_ports=(state.capture_port,), access_log=state.connection_log)))
+                forbidden_ports=(state.capture_port,), access_log=state.connection_log,
+                workload=f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}")))
         self._pod_entries[pod] = tuple(entries)
         for name, lis in entries:
             self._pod_out[name] = lis

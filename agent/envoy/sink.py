@@ -428,7 +428,13 @@ class EnvoySink:
             code, text = admin_request(self.admin, "GET", path, timeout=2.0)
             if code != 200:
                 raise ValueError(f"envoy admin answered {code} for its golden stats")
-            figures["golden"] = self.golden_fold.snapshot(golden.parse_prometheus(text))
+            series = golden.parse_prometheus(text)
+            resolve = None
+            if series.inbound:
+                with self._lock:
+                    pods, views = tuple(self._pods.values()), self._services
+                resolve = golden.service_resolver(views, pods)
+            figures["golden"] = self.golden_fold.snapshot(series, resolve)
             self._envoy_traffic = (time.monotonic(), figures)
             return figures
 

@@ -59,6 +59,8 @@ class Report:
 
 @dataclass(frozen=True)
 class Labels:
+    """One series of the golden metrics."""
+
     src_namespace: str
     src_workload: str
     dst_namespace: str
@@ -69,6 +71,14 @@ class Labels:
     flags: str = ""
     # the calling pod, with --traffic-source-pods only ("" otherwise: one series a workload)
     src_pod: str = ""
+    # whose proxy counted it: "source" (the caller's: HTTP it parsed, every connection) or
+    # "destination" (the callee's: HTTP the caller relayed as bytes, an undeclared port).
+    # Each request is counted by exactly one of them.
+    reporter: str = "source"
+    # the caller's identity (<ns>/<sa> of its SPIFFE ID) and the callee's workload: known to
+    # the destination (its src_workload is ""), not to the source
+    src_identity: str = ""
+    dst_workload: str = ""
 
 
 def destination(cluster: str) -> tuple[str, str]:
