@@ -7,6 +7,7 @@ listener sink, so a restart never leaves a captured pod without its rules or lis
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent import __version__
+from agent.capture.policy import with_node_proxies
 from agent.capture.rules import render_ruleset
 from agent.cni import request as cni_request
 from agent.cni.handler import CniHandler, ListenerSink, NullSink
@@ -29,6 +31,7 @@ from agent.netns.enter import NetnsError
 from agent.netns.pin import pins_visible_to, share_pin_dir
 from agent.recovery import recover_interrupted_adds
 from agent.source.base import MetadataSource
+from agent.takeover import Peer
 from agent.workload import workload_of
 
 if TYPE_CHECKING:  # the subsystems' types; their modules load only when started
@@ -74,6 +77,11 @@ class AgentOptions:
     metrics_port: int | None = None  # None or 0: no metrics server
     live_enrollment: bool = True  # capture/release running pods as labels change
     release_on_removal: bool = True  # our DaemonSet deleted: release every pod before exit
+    # take-overs (agent.takeover): this agent's name (its control socket), the agent it
+    # replaces (found at start), and how long a replaced agent's connections get after SIGTERM
+    instance: str = ""
+    peer: Peer | None = None
+    drain_seconds: float = 30.0
 
 
 class Agent:
@@ -106,8 +114,24 @@ class Agent:
         busy = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 11, '
                                    '"msg": "aether agent busy (too many concurrent requests): '
                                    'try again"}'))
-        self.cni_server = UnixJsonServer(node.cni_socket, self.handler.handle_raw, "cni",
+        self._try_again = cni_request.encode((1, '{"cniVersion": "1.0.0", "code": 11, '
+                                               '"msg": "aether agent handing over to its '
+                                               'successor: try again"}'))
+        self.cni_server = UnixJsonServer(node.cni_socket, self._cni_request, "cni",
                                          oversize_answer=too_large, busy_answer=busy)
+        # take-overs: "serving", "frozen" (a successor is taking over: CNI answers try-again)
+        # or "retired" (the successor serves; this agent's Envoy drains until SIGTERM)
+        self.role = "serving"
+        self._gate = threading.Condition()
+        self._inflight = 0
+        self.handover_try_again = 0  # CNI requests answered try-again during a take-over
+        self._frozen_at = 0.0
+        self.peer_state = ""  # the replaced agent: "draining", then "gone"
+        self.sigterm_at: float | None = None
+        from agent.takeover import control_socket
+        self.instance = self.options.instance or f"{node.node_name}-{os.getpid()}"
+        self.control_server = UnixJsonServer(control_socket(node.run_dir, self.instance),
+                                             json_handler(self._control_request), "control")
         self.status_server = UnixJsonServer(
             os.path.join(node.run_dir, "status.sock"), json_handler(self._status_request), "status"
         )
@@ -115,10 +139,18 @@ class Agent:
         self.reconcile_report: list[str] = []
         self.pin_peer_group = ""  # "shared:N" once <run-dir>/netns is a shared mount
         self.stopped = threading.Event()
+        self.started = threading.Event()  # start() done: every socket of this agent serves
         self.on_exit_request: Callable[[], None] | None = None  # `uninstall` ends the process
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        self.control_server.start()
+        peer = self.options.peer
+        if peer is not None:
+            from agent.takeover import ask
+            log.info("taking over from aether-agent %s pid %d (slot %s): freezing its CNI "
+                     "socket", peer.version, peer.pid, peer.slot)
+            ask(peer, "freeze", timeout=90.0, successor=self.instance, pid=os.getpid())
         self._share_pin_dir()
         self.store.load()  # also sweeps temp files of writes a crash interrupted
         if self.store.load_problem:
@@ -141,20 +173,234 @@ class Agent:
         self._drop_leftover_release_tables()
         if self.options.mesh:
             self._start_mesh()
-        self.cni_server.start()
+        if peer is not None:
+            self._await_own_listeners()
+        self.cni_server.start(replace=peer is not None)
         if self.mesh is not None and self.options.live_enrollment:
             from agent.enroll import EnrollmentLoop
             self.enrollment = EnrollmentLoop(self.handler, self.mesh.objects, self.node)
             self.enrollment.start()
         if self.options.kube and self.options.node_loops:
             self._start_node_loops()
+        if peer is not None:
+            # the status socket before the commit, so `aether-agent status` always finds one
+            # of the two; the metrics port only once the old agent has let go of it
+            self.status_server.start(replace=True)
+            self._commit_takeover(peer)
         if self.options.metrics_port:
             self._start_metrics()
         # last: a status socket that answers means every endpoint of the agent is up (tests and
         # operators read /healthz right after it; it used to race the metrics server)
-        self.status_server.start()
+        if peer is None:
+            self.status_server.start()
+        self.started.set()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
+
+    # -- take-over (agent.takeover) ------------------------------------------------------
+    def _cni_request(self, raw: bytes) -> bytes:
+        """The CNI handler behind the hand-over gate: once a successor is taking over, each
+        request is answered try-again (kubelet retries it, and the successor serves it)."""
+        with self._gate:
+            if self.role != "serving":
+                self.handover_try_again += 1
+                log.info("CNI request answered try-again: %s", "a successor is taking over"
+                         if self.role == "frozen" else "the successor serves this node")
+                return self._try_again
+            self._inflight += 1
+        try:
+            return self.handler.handle_raw(raw)
+        finally:
+            with self._gate:
+                self._inflight -= 1
+                self._gate.notify_all()
+
+    def hello(self) -> dict[str, Any]:
+        """What a successor needs to run beside this agent."""
+        from agent.takeover import control_socket
+        sink_pid = getattr(self.sink, "pid", None)
+        return {"pid": os.getpid(), "instance": self.instance, "version": __version__,
+                "control": control_socket(self.node.run_dir, self.instance),
+                "slot": getattr(self.sink, "slot", "envoy"),
+                "envoy_pid": sink_pid if isinstance(sink_pid, int) else None,
+                "proxy_cgroup": self.node.proxy_cgroup,
+                "proxy_cgroup_level": self.node.proxy_cgroup_level, "role": self.role}
+
+    def freeze(self, successor: str, successor_pid: int | None = None,
+               timeout: float = 60.0) -> dict[str, Any]:
+        """A successor takes over: no CNI request served from now on, the ones in flight
+        finished, live enrollment stopped; thawed again if the commit never comes."""
+        with self._gate:
+            if self.role == "retired":
+                return {"ok": False, "msg": "already retired: another agent serves"}
+            self.role, self._frozen_at = "frozen", time.monotonic()
+            done = self._gate.wait_for(lambda: self._inflight == 0, timeout)
+        if self.enrollment is not None:
+            self.enrollment.stop()
+            self.enrollment = None
+        log.warning("take-over by %s: CNI requests are answered try-again until it serves",
+                    successor)
+        threading.Thread(target=self._thaw_unless_committed,
+                         args=(self._frozen_at, successor_pid), name="takeover-thaw",
+                         daemon=True).start()
+        if not done:
+            return {"ok": False, "msg": f"requests still in flight after {timeout:.0f}s"}
+        return {"ok": True}
+
+    def _thaw_unless_committed(self, frozen_at: float, successor_pid: int | None,
+                               bound: float = 300.0) -> None:
+        """A successor that dies (or never commits) must not leave the node without an
+        agent serving CNI: serve again."""
+        from agent.takeover import wait_pid_gone
+        deadline = frozen_at + bound
+        while time.monotonic() < deadline:
+            dead = successor_pid is not None and wait_pid_gone(successor_pid, 0.0)
+            with self._gate:
+                if self.role != "frozen" or self._frozen_at != frozen_at:
+                    return
+                if dead:
+                    self.role = "serving"
+                    self._gate.notify_all()
+                    log.error("the successor (pid %d) died before committing its take-over: "
+                              "serving CNI requests again", successor_pid)
+                    return
+            time.sleep(0.2)
+        with self._gate:
+            if self.role != "frozen" or self._frozen_at != frozen_at:
+                return
+            self.role = "serving"
+            self._gate.notify_all()
+        log.error("the successor never committed its take-over within %.0fs: serving CNI "
+                  "requests again", bound)
+
+    def thaw(self) -> dict[str, Any]:
+        with self._gate:
+            if self.role == "frozen":
+                self.role = "serving"
+            self._gate.notify_all()
+        log.warning("take-over abandoned by the successor: serving CNI requests again")
+        return {"ok": True}
+
+    def commit(self) -> dict[str, Any]:
+        """The successor serves every pod now: let go of the metrics port, stop listening
+        (Envoy drains), stop every loop, and wait for SIGTERM. Tables, pins and records are
+        the successor's: nothing here touches them again."""
+        with self._gate:
+            if self.role != "frozen":
+                return {"ok": False, "msg": f"not frozen ({self.role})"}
+            self.role = "retired"
+            self._gate.notify_all()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        self.cni_server.stop()  # the path is the successor's now: left alone
+        retire = getattr(self.sink, "retire", None)
+        if callable(retire):
+            retire()
+        threading.Thread(target=self._stop_loops, args=(False,), name="retire", daemon=True
+                         ).start()
+        log.warning("retired: the successor serves this node; draining until SIGTERM")
+        return {"ok": True}
+
+    def drain_progress(self) -> dict[str, Any]:
+        left = getattr(self.sink, "open_connections", None)
+        out: dict[str, Any] = {"role": self.role, "pid": os.getpid(), "instance": self.instance,
+                               "connections_left": left() if callable(left) else None,
+                               "cni_try_again": self.handover_try_again}
+        if self.sigterm_at is not None:
+            out["seconds_left"] = round(max(0.0, self.sigterm_at + self.options.drain_seconds
+                                            - time.monotonic()), 1)
+        else:
+            out["seconds_left"] = None  # the drain's clock starts at SIGTERM
+        return out
+
+    def _await_own_listeners(self, timeout: float = 120.0) -> None:
+        """Before taking the sockets: this agent's Envoy ready, with every recorded pod's
+        listener bound (beside the old Envoy's) and its Services in."""
+        ids: list[str] = [str(p.container_id) for p in self.store.all()]
+        deadline = time.monotonic() + timeout
+        ready = getattr(self.sink, "ready", None)
+        while True:
+            states = self._listener_states(ids)
+            waiting = [cid for cid in ids if states[cid][0] not in ("live", NO_PROXY)]
+            envoy_ok = bool(ready()) if callable(ready) else True
+            if envoy_ok and not waiting:
+                log.info("take-over: own Envoy holds all %d pod listeners", len(ids))
+                return
+            if time.monotonic() > deadline:
+                peer = self.options.peer
+                if peer is not None:
+                    from agent.takeover import ask
+                    try:
+                        ask(peer, "thaw", timeout=10.0)
+                    except (OSError, RuntimeError, ValueError):
+                        pass
+                raise RuntimeError(f"take-over abandoned: after {timeout:.0f}s own Envoy "
+                                   f"{'ready' if envoy_ok else 'not ready'}, {len(waiting)} "
+                                   "pod listeners not live; the old agent serves on")
+            time.sleep(0.1)
+
+    def _commit_takeover(self, peer: Peer) -> None:
+        from agent.takeover import ask
+        ask(peer, "commit", timeout=30.0)
+        self.peer_state = "draining"
+        log.info("took over from pid %d: its Envoy drains; it exits on SIGTERM", peer.pid)
+        threading.Thread(target=self._after_peer, args=(peer,), name="takeover-peer",
+                         daemon=True).start()
+
+    def _after_peer(self, peer: Peer) -> None:
+        """Once the replaced agent's Envoy is gone, its RETURN leaves every pod's table."""
+        from agent.takeover import wait_pid_gone
+        while not self.stopped.is_set():
+            if wait_pid_gone(peer.envoy_pid, 1.0) and wait_pid_gone(peer.pid, 0.0):
+                break
+        if self.stopped.is_set():
+            return
+        self.peer_state = "gone"
+        # the held cgroup fd stays open: an ADD rendered a moment ago may still name it
+        self.node.peer_proxy.set(None)
+        log.info("the replaced agent (pid %d) and its Envoy are gone: its RETURN leaves the "
+                 "pod tables", peer.pid)
+        self.reprogram_all()
+
+    def reprogram_all(self) -> None:
+        """Every recorded pod's table with this agent's proxy cgroups (no-op where equal)."""
+        from agent.capture.policy import with_node_proxies
+        for pod in self.store.all():
+            want = with_node_proxies(pod.policy, self.node)
+            if want == pod.policy:
+                continue
+            try:
+                pod.fingerprint = self.dataplane.apply(pod.netns, render_ruleset(want))
+                pod.policy = want
+                self.store.put(pod)
+            except DATAPLANE_ERRORS as e:
+                log.error("%s: re-programming its table failed: %s", pod.key, e)
+
+    def _control_request(self, request: Any) -> dict[str, Any]:
+        """This agent's own socket (``<run-dir>/agents/<instance>.sock``): a successor's
+        hand-over, and what is asked of this agent rather than of whoever serves."""
+        if not isinstance(request, dict):
+            return {"ok": False, "msg": "expected a JSON object"}
+        command = request.get("command")
+        if command == "hello":
+            return {"ok": True, "hello": self.hello()}
+        if command == "freeze":
+            pid = request.get("pid")
+            return self.freeze(str(request.get("successor") or "?"),
+                               pid if isinstance(pid, int) else None)
+        if command == "thaw":
+            return self.thaw()
+        if command == "commit":
+            return self.commit()
+        if command == "drain":
+            return {"ok": True, "drain": self.drain_progress()}
+        if command == "ready":
+            failing = [k for k, ok in self.readiness_checks().items() if not ok]
+            if self.role != "serving":
+                failing.append(self.role)
+            return {"ok": True, "ready": not failing, "failing": failing, "role": self.role}
+        return self._status_request(request)
 
     @property
     def pin_dir(self) -> str:
@@ -269,6 +515,10 @@ class Agent:
         }
         if o.kube:
             checks["plugin"] = plugin_installed(o.cni_conf_dir, o.cni_bin_dir)
+        if self.role != "serving" or not self.started.is_set():
+            # starting (a take-over not yet committed), frozen or retired: not this agent's
+            # node to serve (yet, or any more)
+            checks["serving"] = False
         return checks
 
     def _repairs(self) -> float:
@@ -333,8 +583,18 @@ class Agent:
             failing = [k for k, ok in self.readiness_checks().items() if not ok]
             return not failing, ", ".join(failing) or "ready"
 
-        self.metrics_server = MetricsServer(m, self.options.metrics_host, self.options.metrics_port or 0,
-                                            live=lambda: not self.stopped.is_set(), ready=ready)
+        # a take-over binds the port its predecessor has just let go of: a moment's retry
+        deadline = time.monotonic() + (10.0 if self.options.peer is not None else 0.0)
+        while True:
+            try:
+                self.metrics_server = MetricsServer(
+                    m, self.options.metrics_host, self.options.metrics_port or 0,
+                    live=lambda: not self.stopped.is_set(), ready=ready)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         self.metrics_server.start()
         log.info("metrics on %s:%d (/metrics /healthz /readyz)", self.metrics_server.host,
                  self.metrics_server.port)
@@ -388,23 +648,48 @@ class Agent:
         self.readiness.start()
 
     def stop(self) -> None:
-        if self.enrollment is not None:
-            self.enrollment.stop()
-        if self.repair is not None:
-            self.repair.stop()
+        self.sigterm_at = time.monotonic()
+        with self._gate:  # a take-over under way: SIGTERM waits for its outcome
+            self._gate.wait_for(lambda: self.role != "frozen", 60.0)
+        if self.role == "retired":
+            self._finish_drain()
+            return
         o = self.options
         for_good = True
         if o.kube:
             from agent.node.readiness import shutting_down_for_good
             for_good = shutting_down_for_good(o.kubeconfig, o.daemonset_namespace, o.daemonset_name)
+        if self.enrollment is not None:
+            self.enrollment.stop()
+        if self.repair is not None:
+            self.repair.stop()
         # only our DaemonSet seen gone or deleting counts (no DaemonSet name: never)
         if o.kube and o.daemonset_name and for_good and o.release_on_removal:
             self._release_on_removal()
-        if self.readiness is not None or self.slices is not None:
-            if self.readiness is not None:
-                self.readiness.stop(for_good=for_good)
-            if self.slices is not None:
-                self.slices.stop(node_leaving=for_good)
+        self._stop_loops(for_good)
+        # An agent restart or upgrade leaves Envoy serving its last config (the next agent
+        # adopts it); a stop for good (our DaemonSet gone, or a standalone stop) stops it.
+        keep = o.envoy_on_exit == "keep" or (o.envoy_on_exit == "auto" and not for_good)
+        stop = getattr(self.sink, "stop", None)
+        if callable(stop):
+            if keep:
+                stop(keep_envoy=True)
+            else:
+                stop()
+        self.control_server.stop()
+        self.stopped.set()
+
+    def _stop_loops(self, for_good: bool) -> None:
+        """Everything but the Envoy: loops, watchers, servers (a retiring agent's too)."""
+        if self.enrollment is not None:
+            self.enrollment.stop()
+            self.enrollment = None
+        if self.repair is not None:
+            self.repair.stop()
+        if self.readiness is not None:
+            self.readiness.stop(for_good=for_good)
+        if self.slices is not None:
+            self.slices.stop(node_leaving=for_good)
         if self.meshpods is not None:
             self.meshpods.stop(node_leaving=for_good)
         if self.gamma_status is not None:
@@ -415,17 +700,29 @@ class Agent:
             self.mesh.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        self.cni_server.stop()
+            self.metrics_server = None
+        self.cni_server.stop()  # each path is removed only while it is still this agent's
         self.status_server.stop()
-        # An agent restart or upgrade leaves Envoy serving its last config (the next agent
-        # adopts it); a stop for good (our DaemonSet gone, or a standalone stop) stops it.
-        keep = o.envoy_on_exit == "keep" or (o.envoy_on_exit == "auto" and not for_good)
+
+    def _finish_drain(self) -> None:
+        """SIGTERM of a retired agent: its Envoy's remaining connections get
+        ``--drain-seconds`` (less if they end sooner), then it stops, and nothing else."""
+        deadline = time.monotonic() + self.options.drain_seconds
+        count = getattr(self.sink, "open_connections", None)
+        left = count() if callable(count) else None
+        log.info("SIGTERM while retired: %s connections left, draining for up to %.0fs",
+                 "?" if left is None else left, self.options.drain_seconds)
+        while time.monotonic() < deadline:
+            left = count() if callable(count) else None
+            if left == 0:
+                break
+            time.sleep(0.2)
         stop = getattr(self.sink, "stop", None)
         if callable(stop):
-            if keep:
-                stop(keep_envoy=True)
-            else:
-                stop()
+            stop()
+        log.info("retired agent exits (%s connections were left at the end of the drain)",
+                 "?" if left is None else left)
+        self.control_server.stop()
         self.stopped.set()
 
     def _release_on_removal(self, wait_s: float = 30.0) -> None:
@@ -484,11 +781,19 @@ class Agent:
                 continue
             try:
                 live = self.dataplane.live_fingerprint(pod.netns)
-                if live != pod.fingerprint:
-                    pod.fingerprint = self.dataplane.apply(pod.netns, render_ruleset(pod.policy))
+                # this agent's proxy cgroup (and a take-over peer's) in place of the writer's
+                want = with_node_proxies(pod.policy, self.node)
+                drifted, moved = live != pod.fingerprint, want != pod.policy
+                if drifted or moved:
+                    pod.fingerprint = self.dataplane.apply(pod.netns, render_ruleset(want))
+                    pod.policy = want
                     self.store.put(pod)
-                    self._note(f"{pod.key}: capture table {'missing' if live is None else 'drifted'};"
-                               " re-programmed")
+                    if drifted:
+                        self._note(f"{pod.key}: capture table "
+                                   f"{'missing' if live is None else 'drifted'}; re-programmed")
+                    else:
+                        log.info("%s: table re-programmed for this agent's proxy cgroup(s)",
+                                 pod.key)
             except DATAPLANE_ERRORS as e:
                 self._note(f"{pod.key}: re-programming failed: {e}")
             try:
@@ -614,6 +919,7 @@ class Agent:
                 "level": self.node.proxy_cgroup_level,
             },
         }
+        out["takeover"] = self.takeover_state()
         out["cni_install"] = self.cni_install_state()
         if self.mesh is not None:
             out["mesh"] = self.mesh.status()
@@ -634,6 +940,27 @@ class Agent:
             p["rules"] != "ok" or p["listener"] not in ("live", NO_PROXY) for p in pods) or bool(
             out.get("envoy", {}).get("degraded")
         )
+        return out
+
+    def takeover_state(self) -> dict[str, Any]:
+        """Which agent serves, and the one being replaced with its drain progress."""
+        out: dict[str, Any] = {"role": self.role, "instance": self.instance, "pid": os.getpid(),
+                               "slot": getattr(self.sink, "slot", None),
+                               "cni_try_again": self.handover_try_again}
+        peer = self.options.peer
+        if peer is None:
+            return out
+        replaced: dict[str, Any] = {"pid": peer.pid, "instance": peer.instance,
+                                    "version": peer.version, "slot": peer.slot,
+                                    "state": self.peer_state or "taking over"}
+        if self.peer_state == "draining":
+            from agent.takeover import ask
+            try:
+                replaced.update(ask(peer, "drain", timeout=1.0)["drain"])
+                replaced["state"] = "draining"
+            except (OSError, RuntimeError, ValueError) as e:
+                replaced["drain_error"] = str(e)
+        out["replaced"] = replaced
         return out
 
     def _source_problems(self) -> list[str]:
@@ -734,6 +1061,8 @@ class Agent:
         command = request.get("command")
         if command == "status":
             return {"ok": True, "status": self.status()}
+        if command == "hello":  # a successor starting on this run dir (agent.takeover)
+            return {"ok": True, "hello": self.hello()}
         if command == "traffic":  # aether-agent top
             xds = getattr(self.sink, "xds", None)
             if xds is None:

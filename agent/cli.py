@@ -83,10 +83,14 @@ def run(
     metrics_port: Annotated[int, typer.Option(help="Port of /metrics, /healthz, /readyz (0: off).")] = 15020,
     metrics_host: Annotated[str, typer.Option(help="Address the metrics server binds.")] = "0.0.0.0",
     live_enrollment: Annotated[bool, typer.Option("--live-enrollment/--no-live-enrollment", help="Capture running pods when they become managed (label/annotation change) and release them when they stop being managed, without a restart.")] = True,
+    drain_seconds: Annotated[float, typer.Option(help="After a take-over (a new agent started on this run dir serves the node), how long this agent's Envoy keeps its remaining connections once it gets SIGTERM; keep it below the DaemonSet's terminationGracePeriodSeconds.")] = 30.0,
+    instance: Annotated[str | None, typer.Option(envvar="POD_NAME", help="This agent's name on the node: its control socket <run-dir>/agents/<instance>.sock (`aether-agent ready`). Default: <node>-<pid>.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
     log_format: Annotated[str, typer.Option(help="auto, json or text.")] = "auto",
 ) -> None:
-    """Serve the CNI socket (and Envoy's xDS) until SIGTERM/SIGINT."""
+    """Serve the CNI socket (and Envoy's xDS) until SIGTERM/SIGINT. Started where another
+    agent serves the same --run-dir, it takes over without a refused connection (the old one
+    drains and exits on SIGTERM)."""
     from agent import logs
     from agent.app import Agent, AgentOptions
     from agent.source.base import MetadataSource
@@ -95,6 +99,12 @@ def run(
     systems = tuple(s.strip() for s in system_namespaces.split(",") if s.strip())
     if agent_namespace not in systems:
         systems += (agent_namespace,)
+    from agent.takeover import find_peer, other_slot
+    peer = find_peer(run_dir)
+    if peer is not None:
+        logging.getLogger("aether.agent").warning(
+            "aether-agent %s pid %d serves %s: taking over (its Envoy in slot %s, ours in %s)",
+            peer.version, peer.pid, run_dir, peer.slot, other_slot(peer.slot))
     from agent.netns.cgroup import setup_proxy_cgroup
     proxy = setup_proxy_cgroup()
     if not proxy.ok:
@@ -114,6 +124,8 @@ def run(
         proxy_cgroup=proxy.nft_path if proxy.ok else None, proxy_cgroup_level=proxy.level,
         proxy_cgroup_problem=proxy.problem,
     )
+    if peer is not None and proxy.ok:
+        node.peer_proxy.set(peer.cgroup_for_rules())
     source: MetadataSource
     if manifests:
         from agent.source.manifests import ManifestSource
@@ -167,7 +179,9 @@ def run(
                          cgroup=proxy.directory if proxy.ok else None, identity=identity,
                          resilience=resilience, traffic_metrics=traffic_metrics,
                          traffic_max_series=traffic_max_series,
-                         traffic_source_pods=traffic_source_pods)
+                         traffic_source_pods=traffic_source_pods,
+                         slot=other_slot(peer.slot) if peer is not None else "envoy")
+        sink.hold_until_services = peer is not None
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):
@@ -183,6 +197,7 @@ def run(
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
         gamma_controller_name=controller_name, xmesh_create=xmesh_create,
         envoy_on_exit=envoy_on_exit, live_enrollment=live_enrollment, remote_pods=remote_pods,
+        instance=instance or "", peer=peer, drain_seconds=drain_seconds,
     )
     agent = Agent(node, source, sink, options)
     done = threading.Event()

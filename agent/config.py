@@ -9,6 +9,7 @@ Calico (0xffff0000) and Cilium (0x0f00) marks.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 CAPTURE_PORT = 15001
@@ -17,6 +18,25 @@ PASSTHROUGH_MARK = 0xAE
 PASSTHROUGH_MARK_MASK = 0xFF
 DEFAULT_RUN_DIR = "/var/run/aether"
 DEFAULT_SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease", "aether-system")
+
+
+class PeerProxy:
+    """The other agent's proxy cgroup while two agents overlap on a node (a take-over,
+    ``agent.takeover``): both Envoys' upstream sockets must RETURN in every pod's rules until
+    the old one has exited. Shared by reference, so every holder of the node config renders
+    the same rules."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value: tuple[str, int] | None = None
+
+    def get(self) -> tuple[str, int] | None:
+        with self._lock:
+            return self._value
+
+    def set(self, value: tuple[str, int] | None) -> None:
+        with self._lock:
+            self._value = value
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,8 @@ class NodeConfig:
     # Why there is no proxy cgroup match on this host (None when there is one): the node is
     # reported degraded, since pods could then forge the mark.
     proxy_cgroup_problem: str | None = None
+    # (nft name, level) of the other agent's proxy cgroup during a take-over, else None
+    peer_proxy: PeerProxy = field(default_factory=PeerProxy, compare=False, hash=False)
     # The node's own addresses (its netns at agent start): STRICT pods accept plaintext from
     # these only, which is where kubelet's health probes come from.
     node_addresses: tuple[str, ...] = ()

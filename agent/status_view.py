@@ -91,6 +91,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def takeover_lines(t: dict[str, Any]) -> list[str]:
+    """Which agent serves and, during a take-over, the one being replaced and its drain."""
+    old = t.get("replaced")
+    if not old:
+        return []
+    line = (f"  take-over: serving as {t.get('instance')} (pid {t.get('pid')}, Envoy slot "
+            f"{t.get('slot')}), replacing {old.get('instance')} (pid {old.get('pid')}, "
+            f"{old.get('version')}): {old.get('state')}")
+    if old.get("state") == "draining":
+        left = old.get("connections_left")
+        secs = old.get("seconds_left")
+        line += (f" · {'?' if left is None else left} connections left · "
+                 + ("drain clock starts at its SIGTERM" if secs is None else f"{secs}s left"))
+    return [line]
+
+
 def render(st: dict[str, Any]) -> str:
     pods = st.get("pods", [])
     state = "DEGRADED" if st.get("degraded") else "healthy"
@@ -103,6 +119,7 @@ def render(st: dict[str, Any]) -> str:
     if integrity:
         lines.append(f"  capture integrity: proxy RETURN by {integrity.get('proxy_match')}"
                      + (f" · DEGRADED: {integrity['problem']}" if integrity.get("problem") else ""))
+    lines.extend(takeover_lines(st.get("takeover") or {}))
     envoy = st.get("envoy")
     if envoy:
         lines.append(

@@ -8,7 +8,8 @@ ahead of the redirect; a malformed entry never stops the rest and is always repo
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from agent.config import NodeConfig
 from agent.source.model import NamespaceMeta, PodMeta
@@ -57,6 +58,10 @@ class CapturePolicy:
     # offers no unforgeable match and the RETURN is by mark alone (reported as degraded).
     proxy_cgroup: str | None = None
     proxy_cgroup_level: int = 0
+    # The other agent's proxy cgroup while two agents overlap (a take-over): its upstream
+    # sockets RETURN too, until it has exited. None outside a take-over.
+    peer_cgroup: str | None = None
+    peer_cgroup_level: int = 0
     # STRICT peer authentication: new inbound TCP connections are refused unless they come
     # to the inbound (mTLS) port, over the pod's loopback (the proxy delivering), or from the
     # node's own addresses (kubelet probes).
@@ -81,6 +86,9 @@ class CapturePolicy:
             "exclude_v6": list(self.exclude_v6),
             "proxy_cgroup": self.proxy_cgroup,
             "proxy_cgroup_level": self.proxy_cgroup_level,
+            # only during a take-over, so the policies of every other moment keep their hash
+            **({"peer_cgroup": self.peer_cgroup, "peer_cgroup_level": self.peer_cgroup_level}
+               if self.peer_cgroup else {}),
             # only for STRICT: a permissive policy keeps the hash (and table comment) it had
             **({"strict": True, "inbound_port": self.inbound_port,
                 "node_sources_v4": list(self.node_sources_v4),
@@ -103,6 +111,9 @@ class CapturePolicy:
             proxy_cgroup=(None if data.get("proxy_cgroup") is None
                           else str(data.get("proxy_cgroup"))),
             proxy_cgroup_level=int(str(data.get("proxy_cgroup_level") or 0)),
+            peer_cgroup=(None if data.get("peer_cgroup") is None
+                         else str(data.get("peer_cgroup"))),
+            peer_cgroup_level=int(str(data.get("peer_cgroup_level") or 0)),
             strict=bool(data.get("strict", False)),
             inbound_port=int(str(data.get("inbound_port") or 15008)),
             node_sources_v4=tuple(str(x) for x in data.get("node_sources_v4") or []),  # type: ignore[attr-defined]
@@ -269,6 +280,7 @@ def decide(
         exclude_v6=v6,
         proxy_cgroup=node.proxy_cgroup,
         proxy_cgroup_level=node.proxy_cgroup_level,
+        **_peer_fields(node),
         strict=strict,
         inbound_port=node.inbound_port if strict else CapturePolicy.inbound_port,
         node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if strict else (),
@@ -293,3 +305,18 @@ def peer_authentication(pod_annotations: dict[str, str], ns_annotations: dict[st
             ANN_PEER_AUTH, raw, f"{source} annotation: expected \"permissive\" or \"strict\"; "
             "strict applies until it is fixed")]
     return False, []
+
+
+def _peer_fields(node: NodeConfig) -> dict[str, Any]:
+    peer = node.peer_proxy.get() if node.proxy_cgroup else None
+    return {"peer_cgroup": peer[0], "peer_cgroup_level": peer[1]} if peer else {}
+
+
+def with_node_proxies(policy: CapturePolicy, node: NodeConfig) -> CapturePolicy:
+    """A recorded policy with this agent's proxy cgroup (and a take-over peer's) in place of
+    the one it was recorded with: a recorded policy names the cgroup of the agent that wrote
+    it, which after an upgrade is not the Envoy now serving."""
+    fields: dict[str, Any] = {"proxy_cgroup": node.proxy_cgroup,
+                              "proxy_cgroup_level": node.proxy_cgroup_level,
+                              "peer_cgroup": None, "peer_cgroup_level": 0}
+    return replace(policy, **{**fields, **_peer_fields(node)})

@@ -47,8 +47,13 @@ def render_rules(policy: CapturePolicy) -> list[str]:
                f'{_quote(policy.proxy_cgroup)} return comment "proxy upstream (mark + proxy cgroup)"')
     else:
         own = f'{mark} return comment "proxy upstream (mark only: no cgroup v2 match)"'
-    rules = [
-        own,
+    rules = [own]
+    if policy.proxy_cgroup and policy.peer_cgroup:
+        # a take-over: the other agent's Envoy still relays (and opens upstream sockets)
+        rules.append(f'{mark} socket cgroupv2 level {policy.peer_cgroup_level} '
+                     f'{_quote(policy.peer_cgroup)} return comment '
+                     '"proxy upstream of the agent being replaced (mark + its cgroup)"')
+    rules += [
         'fib daddr type local return comment "local destination"',
         f'ip daddr {_set(list(BUILTIN_EXCLUDED_V4))} return comment "loopback, link-local, multicast"',
         f'ip6 daddr {_set(list(BUILTIN_EXCLUDED_V6))} return comment "loopback, link-local, multicast"',

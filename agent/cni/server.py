@@ -119,17 +119,27 @@ class UnixJsonServer:
         self._deadline = deadline_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._inode: tuple[int, int] | None = None  # the socket file we bound
 
-    def start(self) -> None:
+    def start(self, replace: bool = False) -> None:
+        """Bind and serve. ``replace``: another agent serves this path now (a take-over):
+        bind beside it and rename over it, so every client connects to one of the two and
+        none finds no socket."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # stale from a previous run
+        bind_at = f"{self.path}.{os.getpid()}.new" if replace else self.path
+        for stale in (bind_at,) if replace else (self.path,):
+            if os.path.exists(stale):
+                os.unlink(stale)  # stale from a previous run
         old = os.umask(0o177)
         try:
-            server = _Server(self.path, _Conn)
+            server = _Server(bind_at, _Conn)
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        os.chmod(bind_at, 0o600)
+        st = os.stat(bind_at)
+        self._inode = (st.st_dev, st.st_ino)
+        if replace:
+            os.replace(bind_at, self.path)
         server.handle_request_fn = self._handler
         server.oversize_answer = self._oversize
         server.busy_answer = self._busy
@@ -146,12 +156,23 @@ class UnixJsonServer:
         """Connections answered "busy" because the cap was reached."""
         return self._server.refused if self._server is not None else 0
 
+    def owns_path(self) -> bool:
+        """Whether the path is still the socket we bound (a successor may have taken it)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return self._inode == (st.st_dev, st.st_ino)
+
     def stop(self) -> None:
+        """Stop serving; the path is removed only while it is still ours."""
+        mine = self.owns_path()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if mine:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -85,7 +85,13 @@ class EnvoySink:
                  hang_timeout: float = 15.0, hang_busy_timeout: float = 180.0, cgroup: str | None = None,
                  access_log: bool = False, identity: IdentityManager | None = None,
                  resilience: Resilience | None = None, traffic_metrics: bool = True,
-                 traffic_max_series: int = MAX_SERIES, traffic_source_pods: bool = False) -> None:
+                 traffic_max_series: int = MAX_SERIES, traffic_source_pods: bool = False,
+                 slot: str = "envoy") -> None:
+        # <run-dir>/<slot>: this agent's Envoy files; a take-over runs its Envoy in the other
+        # slot beside the old agent's (agent.takeover)
+        self.slot = slot
+        self.retired_at: float | None = None  # when a successor took over (draining since)
+        self.hold_until_services = False  # a take-over's Envoy: nothing before the Services
         self.traffic_metrics = traffic_metrics  # every connection and request counted in Envoy
         self.traffic_source_pods = traffic_source_pods  # the golden metrics' src_pod label
         # a JSON record per captured connection and HTTP request (agent.access logger)
@@ -105,9 +111,10 @@ class EnvoySink:
         self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
         self.node = node
         self.ack_timeout = ack_timeout
-        self.dir = os.path.join(node.run_dir, "envoy")
+        self.dir = os.path.join(node.run_dir, slot)
         ensure_private_dir(self.dir)  # 0700: it holds the admin socket
-        self.xds_socket = os.path.join(node.run_dir, "xds.sock")
+        from agent.takeover import xds_socket
+        self.xds_socket = xds_socket(node.run_dir, slot)
         self.bootstrap_path = os.path.join(self.dir, "bootstrap.json")
         self.pid_path = os.path.join(self.dir, "envoy.pid")
         # Envoy's admin can stop every pod's listener: a root-only unix socket unless a TCP
@@ -159,6 +166,7 @@ class EnvoySink:
         self._incoming: dict[str, PodListener] = {}
         self.shared_publishes = 0  # ADDs whose listener rode another ADD's publish
         self._adopted: psutil.Process | None = None
+        self._retired_adopted: psutil.Process | None = None  # adopted, then retired
         self._adopt_watch: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -182,14 +190,17 @@ class EnvoySink:
     def start(self) -> None:
         self.supervisor.check_version()
         old = self._previous_envoy()
-        if old is not None:
+        if old is not None or self.hold_until_services:
             # the adopted Envoy holds the previous agent's full config: it is sent nothing
             # (not even the empty snapshot of a server just started) until this agent's
-            # Services are in (the first ``set_services``), or a bound
+            # Services are in (the first ``set_services``), or a bound. A take-over's new
+            # Envoy likewise: its listeners, bound, take a share of new connections at once
+            # (SO_REUSEPORT), so they must come with the Services they demux to.
             self.xds.hold()
         self.xds.start()
         if old is not None:
             self._seed_from_adopted()
+        if self.xds.held:
             threading.Thread(target=self._release_after, args=(ADOPTED_HOLD_MAX_S,),
                              name="xds-hold", daemon=True).start()
         self._publish()  # an empty (or restored) snapshot so Envoy's first fetch completes
@@ -456,6 +467,41 @@ class EnvoySink:
             return False
         return code == 200 and body.strip() == "LIVE"
 
+    def retire(self) -> None:
+        """A successor serves the node now: never restart this Envoy again, close its
+        listeners at once (the successor's, in the same SO_REUSEPORT groups, get the queued
+        connections: tcp_migrate_req) and make its HTTP connections close cleanly after
+        their current request (failing health check: Connection: close, HTTP/2 GOAWAY). L4
+        connections keep going until ``stop``."""
+        from agent.envoy.supervisor import admin_request
+        self.retired_at = time.monotonic()
+        self.supervisor.detach()  # a crash now must not bring listeners back
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None:
+            self._retired_adopted = adopted
+        for path in ("/healthcheck/fail", "/drain_listeners"):
+            try:
+                code, body = admin_request(self.admin, "POST", path, timeout=5.0)
+                if code != 200:
+                    log.error("retiring envoy: POST %s answered %d %s", path, code, body[:200])
+            except OSError as e:
+                log.error("retiring envoy: POST %s failed: %s", path, e)
+        log.info("retired: envoy stopped listening; its open connections drain")
+
+    def open_connections(self) -> int | None:
+        """Downstream connections this Envoy still carries (a retiring one's drain)."""
+        from agent.envoy.supervisor import admin_request
+        try:
+            code, body = admin_request(self.admin, "GET",
+                                       "/stats?filter=^server.total_connections$", timeout=2.0)
+        except OSError:
+            return None
+        for line in body.splitlines() if code == 200 else []:
+            key, _, value = line.partition(": ")
+            if key == "server.total_connections":
+                return int(value)
+        return None
+
     def stop(self, keep_envoy: bool = False) -> None:
         """Stop serving. ``keep_envoy``: leave the keeper and Envoy running with their last
         config (an agent upgrade or restart), for the next agent to adopt."""
@@ -466,7 +512,7 @@ class EnvoySink:
             self.tailer.stop()
             log.info("agent stopping; envoy keeps serving its last config for the next agent")
             return
-        adopted = self._adopted
+        adopted = self._adopted or self._retired_adopted
         if adopted is not None:
             try:
                 adopted.terminate()

@@ -21,7 +21,7 @@ from agent.netns.enter import (
 )
 from agent.netns.families import families_here
 from agent.netns.pin import needs_pin, netns_state, pin, unpin
-from agent.netns.sysctls import reuse_time_wait_here
+from agent.netns.sysctls import migrate_requests_here, reuse_time_wait_here
 
 # What a dataplane call raises when the netns or its rules are not as expected: one tuple,
 # caught wherever a failure must become a CNI error, a log line or a repair.
@@ -100,7 +100,8 @@ class NftDataplane:
         return netns_state(path)
 
     def apply(self, netns: str, ruleset: str, first: str | None = None) -> str:
-        return nft.apply_ruleset(netns, ruleset, first=first)
+        # a re-programmed pod (a take-over's included) gets the queue migration too
+        return nft.apply_ruleset_and(netns, ruleset, first, migrate_requests_here)[0]
 
     def capture(self, netns: str, ruleset: str, first: str | None = None
                 ) -> tuple[str, tuple[bool, bool]]:
@@ -120,4 +121,5 @@ def _after_rules_here() -> tuple[bool, bool]:
     """An ADD's work in the pod's netns once the rules are in: the TIME_WAIT sysctl (see
     ``agent.netns.sysctls``), then the loopback families the capture listener may bind."""
     reuse_time_wait_here()
+    migrate_requests_here()  # a later take-over closes listeners here: no queued connection reset
     return families_here()

@@ -47,3 +47,28 @@ def reuse_time_wait_here(path: str = TW_REUSE) -> str | None:
         log.warning("tcp_tw_reuse not set in the pod's netns (%s): a pod taking many new "
                     "mesh connections may run out of local ports", e)
         return None
+
+
+MIGRATE_REQ = "/proc/sys/net/ipv4/tcp_migrate_req"
+
+
+def migrate_requests_here(path: str = MIGRATE_REQ) -> bool:
+    """Set ``net.ipv4.tcp_migrate_req`` to 1 in the calling thread's netns (Linux ≥ 5.14).
+
+    During a take-over both agents' Envoys listen on the capture port in the pod's netns
+    (one SO_REUSEPORT group). When the old one closes its sockets, connections in their
+    accept queues would be reset; with this set the kernel moves them to the new Envoy's
+    sockets instead, so not one queued connection is lost. It changes nothing else (only
+    closing reuseport listeners are affected). False when the kernel lacks it or /proc/sys
+    is read-only: the take-over then reports it, since a queued connection could be reset."""
+    try:
+        with open(path) as f:
+            if f.read().strip() == "1":
+                return True
+        with open(path, "w") as f:
+            f.write("1")
+        return True
+    except OSError as e:
+        log.warning("tcp_migrate_req not set in the pod's netns (%s): connections queued on a "
+                    "closing listener during a take-over would be reset", e)
+        return False
