@@ -251,6 +251,32 @@ def status(
 
 
 @app.command()
+def ready(
+    instance: Annotated[str, typer.Option(envvar="POD_NAME", help="The agent to ask (its --instance; in the DaemonSet, the pod name).")],
+    live: Annotated[bool, typer.Option("--live", help="Only whether the agent answers (liveness), not whether it serves the node.")] = False,
+    run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
+) -> None:
+    """Probe one agent by name, not whoever serves the run dir: during a take-over two agent
+    pods share the node's sockets and ports, and each pod's probes must see its own agent.
+    Exit 0 ready (or live), 1 not ready, 2 not answering."""
+    from agent.cni import protocol as p
+    from agent.takeover import control_socket
+    try:
+        answer = p.call(control_socket(run_dir, instance), {"command": "ready"}, 5.0)
+    except (OSError, ValueError) as e:
+        print(f"agent {instance} not answering: {e}", file=sys.stderr)
+        raise typer.Exit(2) from e
+    if live:
+        print(f"live ({answer.get('role')})")
+        raise typer.Exit(0)
+    if answer.get("ready"):
+        print("ready")
+        raise typer.Exit(0)
+    print(f"not ready: {', '.join(answer.get('failing') or []) or '?'}")
+    raise typer.Exit(1)
+
+
+@app.command()
 def top(
     once: Annotated[bool, typer.Option("--once", help="One sample, printed once (scripts).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (implies --once).")] = False,

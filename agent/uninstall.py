@@ -107,10 +107,14 @@ def release_offline(run_dir: str, progress: Callable[[str], None],
 
 
 def stop_envoy(run_dir: str, progress: Callable[[str], None], timeout: float = 10.0) -> bool:
-    """Stop the Envoy (and its keeper) an agent with this run dir left running. True when
-    none is left. Only a process whose command line names this run dir's bootstrap is
-    touched."""
-    envoy_dir = os.path.join(run_dir, "envoy")
+    """Stop every Envoy (and keeper) agents with this run dir left running, in either slot
+    (a take-over runs the new agent's Envoy in the other one). True when none is left."""
+    from agent.takeover import SLOTS
+    return all([_stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
+
+
+def _stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -> bool:
+    """Only a process whose command line names this slot's bootstrap is touched."""
     bootstrap = os.path.join(envoy_dir, "bootstrap.json")
     mine: list[psutil.Process] = []
     for proc in psutil.process_iter(["pid", "cmdline"]):

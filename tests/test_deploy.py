@@ -111,7 +111,8 @@ def test_daemonset_node_level_settings(objs):
     ds = objs[("DaemonSet", "aether-agent")]
     assert ds["metadata"]["namespace"] == NAMESPACE
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate",
-                                            "rollingUpdate": {"maxUnavailable": 1}}
+                                            "rollingUpdate": {"maxSurge": 1,
+                                                              "maxUnavailable": 0}}
     pod = _pod(objs)
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"  # else hostNetwork gets the node's DNS
@@ -204,10 +205,15 @@ def test_host_mounts(objs):
 def test_probes_and_resources(objs):
     pod = _pod(objs)
     agent = _container(pod, "agent")
-    assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 15020}
-    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 15020}
-    assert agent["startupProbe"]["httpGet"] == {"path": "/healthz", "port": 15020}
-    assert {"name": "metrics", "containerPort": 15020, "protocol": "TCP"} in agent["ports"]
+    # two agent pods share a node during a take-over: each probe asks its own agent by name
+    assert agent["livenessProbe"]["exec"]["command"] == ["aether-agent", "ready", "--live"]
+    assert agent["readinessProbe"]["exec"]["command"] == ["aether-agent", "ready"]
+    assert agent["startupProbe"]["exec"]["command"] == ["aether-agent", "ready", "--live"]
+    assert "ports" not in agent  # host ports would keep the surge pod off the node
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "--drain-seconds=30" in agent["args"]
+    assert pod["terminationGracePeriodSeconds"] > 30  # the drain fits in the grace period
     for c in _all_containers(pod):
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
         assert "memory" in c["resources"]["limits"], c["name"]

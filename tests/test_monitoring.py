@@ -110,10 +110,10 @@ def test_the_podmonitor_scrapes_the_daemonsets_metrics_port() -> None:
     assert pm["kind"] == "PodMonitor" and pm["apiVersion"] == "monitoring.coreos.com/v1"
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    ports = {p["name"]: p["containerPort"]
-             for c in ds["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    (agent,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
     (ep,) = pm["spec"]["podMetricsEndpoints"]
-    assert ports[ep["port"]] == 15020 and ep["path"] == "/metrics"
+    assert "--metrics-port=15020" in agent["args"]
+    assert ep["portNumber"] == 15020 and ep["path"] == "/metrics"
     kust = yaml.safe_load((MON / "kustomization.yaml").read_text())
     for res in kust["resources"]:
         assert (MON / res).is_file()
