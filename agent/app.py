@@ -193,6 +193,10 @@ class Agent:
         # operators read /healthz right after it; it used to race the metrics server)
         if peer is None:
             self.status_server.start()
+        slot = getattr(self.sink, "slot", None)
+        if isinstance(slot, str):  # the next plain start adopts this slot's Envoy
+            from agent.takeover import write_serving_slot
+            write_serving_slot(self.node.run_dir, slot)
         self.started.set()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())

@@ -99,12 +99,25 @@ def run(
     systems = tuple(s.strip() for s in system_namespaces.split(",") if s.strip())
     if agent_namespace not in systems:
         systems += (agent_namespace,)
-    from agent.takeover import find_peer, other_slot
-    peer = find_peer(run_dir)
+    from agent import takeover
+    peer = takeover.find_peer(run_dir)
+    alive = [s for s in takeover.SLOTS if takeover.slot_envoy_alive(run_dir, s)]
+    leftover: str | None = None
     if peer is not None:
+        slot = takeover.other_slot(peer.slot)
         logging.getLogger("aether.agent").warning(
             "aether-agent %s pid %d serves %s: taking over (its Envoy in slot %s, ours in %s)",
-            peer.version, peer.pid, run_dir, peer.slot, other_slot(peer.slot))
+            peer.version, peer.pid, run_dir, peer.slot, slot)
+        if slot in alive:  # an Envoy nobody serves (a take-over that crashed): not adopted
+            leftover = slot
+    else:
+        slot, leftover = takeover.choose_slot(takeover.read_serving_slot(run_dir), alive)
+    if leftover is not None:
+        from agent.uninstall import stop_slot
+        logging.getLogger("aether.agent").warning(
+            "an Envoy no agent serves runs in slot %s (a take-over cut short): stopping it",
+            leftover)
+        stop_slot(os.path.join(run_dir, leftover), lambda msg: None, 10.0)
     from agent.netns.cgroup import setup_proxy_cgroup
     proxy = setup_proxy_cgroup()
     if not proxy.ok:
@@ -180,7 +193,7 @@ def run(
                          resilience=resilience, traffic_metrics=traffic_metrics,
                          traffic_max_series=traffic_max_series,
                          traffic_source_pods=traffic_source_pods,
-                         slot=other_slot(peer.slot) if peer is not None else "envoy")
+                         slot=slot)
         sink.hold_until_services = peer is not None
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")

@@ -54,6 +54,46 @@ def xds_socket(run_dir: str, slot: str) -> str:
     return os.path.join(run_dir, slot, "xds.sock")
 
 
+SERVING_SLOT = "serving-slot"  # <run-dir>/serving-slot: the slot of the agent serving now
+
+
+def slot_envoy_alive(run_dir: str, slot: str) -> bool:
+    """Whether the keeper named by the slot's pid file runs that slot's Envoy."""
+    import psutil
+    try:
+        with open(os.path.join(run_dir, slot, "envoy.pid")) as f:
+            proc = psutil.Process(int(f.read().strip()))
+        return (os.path.join(run_dir, slot, "bootstrap.json") in proc.cmdline()
+                and proc.status() != psutil.STATUS_ZOMBIE)
+    except (OSError, ValueError, psutil.Error):
+        return False
+
+
+def choose_slot(recorded: str | None, alive: list[str]) -> tuple[str, str | None]:
+    """A plain start's slot (and a leftover slot whose Envoy must go): the serving agent's
+    recorded slot if its Envoy lives (it is adopted), else a slot whose Envoy lives, else the
+    recorded one. A crash in the middle of a take-over can leave both alive."""
+    ours = recorded if recorded in SLOTS else SLOTS[0]
+    if alive and ours not in alive:
+        ours = alive[0]
+    return ours, next((s for s in alive if s != ours), None)
+
+
+def read_serving_slot(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, SERVING_SLOT)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def write_serving_slot(run_dir: str, slot: str) -> None:
+    tmp = os.path.join(run_dir, f".{SERVING_SLOT}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(slot)
+    os.replace(tmp, os.path.join(run_dir, SERVING_SLOT))
+
+
 def control_socket(run_dir: str, instance: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in instance) or "agent"
     return os.path.join(run_dir, CONTROL_DIR, f"{safe}.sock")

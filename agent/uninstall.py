@@ -110,10 +110,10 @@ def stop_envoy(run_dir: str, progress: Callable[[str], None], timeout: float = 1
     """Stop every Envoy (and keeper) agents with this run dir left running, in either slot
     (a take-over runs the new agent's Envoy in the other one). True when none is left."""
     from agent.takeover import SLOTS
-    return all([_stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
+    return all([stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
 
 
-def _stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -> bool:
+def stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -> bool:
     """Only a process whose command line names this slot's bootstrap is touched."""
     bootstrap = os.path.join(envoy_dir, "bootstrap.json")
     mine: list[psutil.Process] = []

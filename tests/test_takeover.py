@@ -111,3 +111,14 @@ def test_peer_from_hello_and_status_lines() -> None:
                                            "seconds_left": 12.5}})
     assert "serving as agent-b" in line and "replacing agent-a" in line
     assert "3 connections left" in line and "12.5s left" in line
+
+
+def test_a_plain_start_adopts_the_slot_that_serves() -> None:
+    from agent.takeover import choose_slot
+    assert choose_slot(None, []) == ("envoy", None)
+    assert choose_slot("envoy-b", ["envoy-b"]) == ("envoy-b", None)  # adopt the new agent's
+    assert choose_slot("envoy", ["envoy-b"]) == ("envoy-b", None)  # the record lagged
+    assert choose_slot("envoy-b", []) == ("envoy-b", None)
+    # a take-over cut short by a crash: both live; the recorded one is adopted
+    assert choose_slot("envoy-b", ["envoy", "envoy-b"]) == ("envoy-b", "envoy")
+    assert choose_slot("bogus", []) == ("envoy", None)
