@@ -368,18 +368,14 @@ class Agent:
         self.reprogram_all()
 
     def reprogram_all(self) -> None:
-        """Every recorded pod's table with this agent's proxy cgroups (no-op where equal)."""
+        """Every recorded pod's table with this agent's proxy cgroups (no-op where equal).
+
+        CNI requests are served meanwhile: each pod is re-programmed under its CNI lock and
+        only if still recorded, so a pod deleted after the snapshot is not brought back."""
         from agent.capture.policy import with_node_proxies
         for pod in self.store.all():
-            want = with_node_proxies(pod.policy, self.node)
-            if want == pod.policy:
-                continue
-            try:
-                pod.fingerprint = self.dataplane.apply(pod.netns, render_ruleset(want))
-                pod.policy = want
-                self.store.put(pod)
-            except DATAPLANE_ERRORS as e:
-                log.error("%s: re-programming its table failed: %s", pod.key, e)
+            self.handler.update_policy(pod.container_id,
+                                       lambda policy: with_node_proxies(policy, self.node))
 
     def _control_request(self, request: Any) -> dict[str, Any]:
         """This agent's own socket (``<run-dir>/agents/<instance>.sock``): a successor's

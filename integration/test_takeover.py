@@ -25,6 +25,8 @@ import psutil
 import pytest
 
 from agent.cni import protocol
+from agent.envoy.compat import BUILT_FOR
+from agent.envoy.supervisor import envoy_version
 from agent.netns.cgroup import cgroup2_mount
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import CniError, Pod
@@ -34,6 +36,8 @@ from integration.conftest import EnvoyNode, until
 WEB_IP, RAW_IP = "10.96.74.10", "10.96.74.11"
 EXT_PORT, RAW_PORT = 7100, 7000
 DRAIN_S = 4.0
+# the previous Envoy release, unpacked by scripts/setup: A runs it, B the project's own
+PREVIOUS_ENVOY = "/opt/aether/envoy-1.39.3/envoy"
 
 
 def _cgroup(name: str) -> str:
@@ -301,11 +305,23 @@ def cgroups() -> Iterator[tuple[str, str]]:
     _remove_cgroup(b)
 
 
+def _envoy_version(pid: int) -> str:
+    """The release of the Envoy binary process ``pid`` runs."""
+    return ".".join(map(str, envoy_version(psutil.Process(pid).exe())))
+
+
+@pytest.mark.parametrize("a_envoy", ["same", "previous"])
 def test_a_second_agent_takes_over_under_load_with_not_one_failure(
-        workdir: str, bridge_name: str, cgroups: tuple[str, str]) -> None:
+        workdir: str, bridge_name: str, cgroups: tuple[str, str], a_envoy: str) -> None:
+    """With a_envoy=previous, A runs the previous Envoy release and B the project's: an upgrade
+    of Envoy itself, the two builds' listeners side by side in every pod netns."""
     cg_a, cg_b = cgroups
+    a_binary: list[str] = []
+    if a_envoy == "previous":
+        assert os.access(PREVIOUS_ENVOY, os.X_OK), f"{PREVIOUS_ENVOY} missing: run scripts/setup"
+        a_binary = ["--envoy-binary", PREVIOUS_ENVOY]
     n = EnvoyNode(workdir, bridge_name, extra=["--drain-seconds", str(DRAIN_S),
-                                               "--instance", "agent-a"])
+                                               "--instance", "agent-a", *a_binary])
     n.agent.wrapper = _in_cgroup(cg_a)
     b_proc: subprocess.Popen[bytes] | None = None
     load: Load | None = None
@@ -344,6 +360,9 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         cmd_a = list(n.agent.proc.args)  # type: ignore[union-attr, arg-type]
         cmd_b = _in_cgroup(cg_b) + cmd_a[len(n.agent.wrapper):]
         cmd_b[cmd_b.index("agent-a")] = "agent-b"
+        if a_binary:  # B: the project's own Envoy
+            i = cmd_b.index("--envoy-binary")
+            del cmd_b[i:i + 2]
         b_log = open(os.path.join(workdir, "agent-b.log"), "ab")  # noqa: SIM115
         t0 = time.time()
         b_proc = subprocess.Popen(cmd_b, stdout=b_log, stderr=b_log)
@@ -369,6 +388,9 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         # B's Envoy holds every pod's listener beside A's, and both proxies RETURN meanwhile
         envoy_b = [p for p in _envoys_of(run_dir) if p != envoy_a]
         assert len(envoy_b) == 1, _envoys_of(run_dir)
+        version_a, version_b = _envoy_version(envoy_a), _envoy_version(envoy_b[0])
+        assert version_b == ".".join(map(str, BUILT_FOR)), version_b
+        assert (version_a != version_b) == (a_envoy == "previous"), (version_a, version_b)
         time.sleep(2.0)  # load runs against the overlap (A retired, B serving)
         t_term = time.time()
         n.agent.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
@@ -427,7 +449,8 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         assert st["takeover"]["instance"] == "agent-c" and "replaced" not in st["takeover"]
         assert st["envoy"]["pid"] == envoy_b[0] and st["envoy"].get("adopted"), st["envoy"]
         assert _envoys_of(run_dir) == envoy_b
-        print(f"take-over: B ready {t_ready - t0:.1f}s after start; A exited "
+        print(f"take-over (Envoy {version_a} -> {version_b}): B ready {t_ready - t0:.1f}s "
+              f"after start; A exited "
               f"{t_exit - t_term:.1f}s after SIGTERM; {load.ok} ok, {load.http_retries} HTTP "
               f"retries on cleanly closed connections; churn {len(churn.added)} added, "
               f"{len(churn.deleted)} deleted, {len(churn.try_again)} ADDs and "

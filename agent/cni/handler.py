@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from agent.capture.policy import CaptureDecision, decide, parse_bool
+from agent.capture.policy import CaptureDecision, CapturePolicy, decide, parse_bool
 from agent.capture.rules import render_create, render_releasing, render_ruleset
 from agent.cni import protocol as p
 from agent.cni import request as request_mod
@@ -674,10 +674,22 @@ class CniHandler:
     def reapply(self, container_id: str, policy: Any, reason: str) -> bool:
         """A captured pod's exclusions changed: re-program its table in place (one atomic
         transaction, so no packet sees a half-updated table)."""
+        return self.update_policy(container_id, lambda _: policy, reason)
+
+    def update_policy(self, container_id: str,
+                      change: Callable[[CapturePolicy], CapturePolicy],
+                      reason: str | None = None) -> bool:
+        """Re-program a recorded pod's table with ``change(its policy)``, under its CNI lock:
+        a pod deleted meanwhile stays deleted, a policy changed meanwhile is the one changed.
+        ``reason`` replaces the recorded one (None: kept)."""
         with self._pod_lock(container_id):
             record = self.store.get(container_id)
-            if record is None or record.policy == policy:
+            if record is None:
                 return False
+            policy = change(record.policy)
+            if policy == record.policy:
+                return False
+            reason = record.reason if reason is None else reason
             try:
                 fp = self.dataplane.apply(record.netns, render_ruleset(policy))
             except DATAPLANE_ERRORS as e:

@@ -20,6 +20,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from agent.envoy.compat import BUILT_FOR, EnvoyVersion, bootstrap_runtime
 from agent.envoy.golden import bootstrap_stats_config
 
 XDS_CLUSTER = "xds"
@@ -66,6 +67,7 @@ def build_bootstrap(
     static_listeners: Iterable[Message] = (),
     static_clusters: Iterable[Message] = (),
     dynamic: bool = True,
+    envoy_version: EnvoyVersion = BUILT_FOR,
 ) -> dict[str, Any]:
     """Bootstrap that points LDS and CDS at ADS served on ``xds_socket`` (unix socket), with
     the admin on ``admin``: a unix socket path (``admin_mode``, default 0600) or a TCP port
@@ -114,12 +116,9 @@ def build_bootstrap(
         # clusters never carry one. A bare Envoy adding 10k clusters: 2.8 -> 1.6 s and
         # 527 -> 335 MB RSS (measured here). Readers see a missing stat as zero.
         "deferred_stat_options": {"enable_deferred_creation_stats": True},
-        # An internal listener's connection closed with data its peer has not read yet is
-        # sent as a reset by default (1.40): an HTTP chain answering `Connection: close`
-        # reached the pod's capture listener as a reset and the client lost the answer
-        # (integration/test_http_close.py). A close is a close.
-        "layered_runtime": {"layers": [{"name": "static", "static_layer": {
-            "envoy.reloadable_features.enable_send_rst_on_user_space_socket": False}}]},
+        # the runtime guards this Envoy knows (agent.envoy.compat)
+        "layered_runtime": {"layers": [{"name": "static",
+                                        "static_layer": bootstrap_runtime(envoy_version)}]},
         "overload_manager": {
             "resource_monitors": [
                 {

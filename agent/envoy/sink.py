@@ -22,6 +22,7 @@ from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.envoy import watchdog
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
+from agent.envoy.compat import BUILT_FOR, wire_patch
 from agent.envoy.golden import GoldenFold
 from agent.envoy.listener_view import (
     REJECTED,
@@ -121,9 +122,10 @@ class EnvoySink:
         # port (reachable by any local user) is asked for explicitly.
         self.admin = (os.path.join(self.dir, "admin.sock") if admin_port is None
                       else f"127.0.0.1:{admin_port}")
+        self._bootstrap_args = (node.node_name, self.xds_socket,
+                                self.admin if admin_port is None else admin_port, delta)
         write_bootstrap(self.bootstrap_path, build_bootstrap(
-            node.node_name, self.xds_socket, self.admin if admin_port is None else admin_port,
-            delta=delta))
+            *self._bootstrap_args[:3], delta=delta))
         self.listener_probe = ListenerProbe(self.admin)  # status: Envoy's own listener view
         self.xds = XdsServer(self.xds_socket, log=logging.getLogger("aether.xds"))
         # the golden metrics' cardinality cap over Envoy's series (agent.envoy.golden)
@@ -188,7 +190,15 @@ class EnvoySink:
                     self.identity.attach(self._pods[pod.container_id].identity, pod.key)
 
     def start(self) -> None:
-        self.supervisor.check_version()
+        version = self.supervisor.check_version()
+        if version < BUILT_FOR:  # the previous release: served with agent.envoy.compat
+            log.info("envoy %s is older than %s: its bootstrap leaves out the newer runtime "
+                     "guard and logs name no listener", ".".join(map(str, version)),
+                     ".".join(map(str, BUILT_FOR)))
+            name, sock, admin, delta = self._bootstrap_args
+            write_bootstrap(self.bootstrap_path, build_bootstrap(
+                name, sock, admin, delta=delta, envoy_version=version))
+            self.xds.wire_patch = wire_patch(version)
         old = self._previous_envoy()
         if old is not None or self.hold_until_services:
             # the adopted Envoy holds the previous agent's full config: it is sent nothing

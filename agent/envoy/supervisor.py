@@ -25,16 +25,20 @@ from typing import IO, Any
 import psutil
 
 from agent.backoff import backoff_delay
+from agent.envoy.compat import OLDEST_SERVED
 from agent.envoy.watchdog import stat_fields
 
-# SocketAddress.network_namespace_filepath landed in the API after the 1.34 release
-# (envoyproxy/envoy#38945, Apr 2025); the first release carrying it is 1.35.
-MIN_ENVOY_VERSION = (1, 35, 0)
+# SocketAddress.network_namespace_filepath (per-pod listeners) came with 1.35; the config is
+# written for 1.40 and served to 1.39 with the changes of agent.envoy.compat, the oldest
+# release tested (integration/test_takeover.py). Older ones reject it: refuse them plainly.
+MIN_ENVOY_VERSION = OLDEST_SERVED
 # Envoy crashed: wait 0.25–0.5 s after the first crash, doubling, at most 30 s (agent.backoff)
 RESTART_BACKOFF_BASE_S = 0.5
 RESTART_BACKOFF_CAP_S = 30.0
 
-_VERSION_RE = re.compile(r"/(\d+)\.(\d+)\.(\d+)/")
+# "<argv[0]>  version: <sha>/<release>/Clean/RELEASE/BoringSSL": argv[0] may hold digits
+# and dots of its own (a pyenv path, .../3.11.7/bin/envoy)
+_VERSION_RE = re.compile(r"version: [0-9a-f]+/(\d+)\.(\d+)\.(\d+)/")
 
 
 class EnvoyVersionError(RuntimeError):
@@ -258,8 +262,8 @@ class EnvoySupervisor:
             need = ".".join(map(str, MIN_ENVOY_VERSION))
             have = ".".join(map(str, v))
             raise EnvoyVersionError(
-                f"envoy {have} at {self.binary} is too old: per-pod listeners need "
-                f"SocketAddress.network_namespace_filepath (envoy >= {need})"
+                f"envoy {have} at {self.binary} is too old: the agent's config needs "
+                f"envoy >= {need}"
             )
         return v
 

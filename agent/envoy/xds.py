@@ -59,13 +59,17 @@ NAMED_TYPES = frozenset({ENDPOINT_TYPE, SECRET_TYPE})
 Resources = dict[str, dict[str, Message]]
 
 
-def _pack(dst: Any, type_url: str, msg: Message | RawResource) -> None:
-    """Pack into an ``Any``; pre-serialized resources are copied in as they are."""
+def _pack(dst: Any, type_url: str, msg: Message | RawResource,
+          patch: Callable[[bytes], bytes] | None = None) -> None:
+    """Pack into an ``Any``; pre-serialized resources are copied in as they are. ``patch``:
+    the rewrite an older Envoy needs (agent.envoy.compat.wire_patch)."""
     if isinstance(msg, RawResource):
         dst.type_url = type_url
-        dst.value = msg.data
+        dst.value = msg.data if patch is None else patch(msg.data)
     else:
         dst.Pack(msg)
+        if patch is not None:
+            dst.value = patch(dst.value)
 
 
 @dataclass
@@ -111,6 +115,8 @@ class XdsServer:
         self.als = AccessLogServicer(on_access, log=self.log, on_inbound=self.inbound.add,
                                      on_traffic=self._access_record)
         self._builder = ResourceBuilder()
+        # set before start for an Envoy older than the config's (agent.envoy.compat)
+        self.wire_patch: Callable[[bytes], bytes] | None = None
         self._publish_lock = threading.RLock()
         # type -> id(proto) -> (proto, hash): resources the builder reused are not
         # re-serialised; _built: the builder's last output dicts (identity = unchanged).
@@ -475,7 +481,7 @@ class XdsServer:
             )
             for n in changed:
                 r = d.resources.add(name=n, version=cur[n])
-                _pack(r.resource, type_url, snap.resources[type_url][n])
+                _pack(r.resource, type_url, snap.resources[type_url][n], self.wire_patch)
             st.have[type_url] = dict(cur)
             resp = d
             self.log.debug("stream %d delta %s v%d: +%d -%d", st.sid, type_url,
@@ -487,7 +493,7 @@ class XdsServer:
                 type_url=type_url, version_info=str(snap.version), nonce=nonce
             )
             for n in sorted(cur):
-                _pack(s.resources.add(), type_url, snap.resources[type_url][n])
+                _pack(s.resources.add(), type_url, snap.resources[type_url][n], self.wire_patch)
             st.have[type_url] = dict(cur)
             resp = s
         st.last_nonce[type_url] = nonce
