@@ -31,6 +31,8 @@ BENCHES: dict[str, dict[str, list[str]]] = {
     "traffic_metrics": {"full": ["--rounds", "4", "--duration", "8"], "quick": ["--quick"]},
     "sidecar_path": {"full": ["--rounds", "3", "--duration", "8", "--pods", "20"],
                      "quick": ["--quick"]},
+    "takeover": {"full": ["--takeovers", "10", "--crashes", "3", "--pods", "110"],
+                 "quick": ["--quick"]},
 }
 
 
@@ -321,10 +323,43 @@ def rows_sidecar_path(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def _spread(m: dict[str, Any], unit: str = " s") -> str:
+    return f"{m['median']:.1f}{unit} (spread {m['spread'][0]:.1f}–{m['spread'][1]:.1f})"
+
+
+def rows_takeover(d: dict[str, Any]) -> list[Row]:
+    t, c = d["takeover"], d.get("crash")
+    n, pods = len(d["takeovers"]), d["pods"]
+    crash_n = len(d.get("crashes", []))
+    out: list[Row] = []
+    for what, fails, total in (("new connections", "new_connection_failures", "new_connections"),
+                               ("HTTP requests", "http_failures", "http_requests")):
+        base = (f"crash of the whole pod: {c[fails]} of {c[total]} failed ({crash_n} crashes)"
+                if c else "-")
+        out.append(("takeover", f"failed {what} over {n} take-overs under load, {pods} pods",
+                    f"{t[fails]} of {t[total]}", base, "-",
+                    ("PASS" if t[fails] == 0 else "MISS") + " (0)"))
+    ov = t["overlap_s"]
+    out.append(("takeover", f"overlap: new agent started → old one exited (--drain-seconds "
+                f"{d['drain_seconds']:g}; median of {n})", _spread(ov),
+                f"new agent ready {_spread(t['ready_s'])}", "-", "-"))
+    cpu, env = t["agent_cpu_s"], t["envoy_cpu_s"]
+    out.append(("takeover", "new agent's CPU from its start to the old one's exit",
+                f"{cpu['median']:.2f} s (its Envoy {env['median']:.2f} s)",
+                f"overlap {ov['median']:.1f} s wall",
+                f"{cpu['median'] / ov['median']:.2f} core", "-"))
+    if c:
+        out.append(("takeover", f"crash of the whole pod: all {pods} listeners live "
+                    f"(restart → status live; median of {crash_n})", _spread(c["live_s"]),
+                    f"take-over: new agent ready {t['ready_s']['median']:.1f} s",
+                    f"{c['live_s']['median'] / t['ready_s']['median']:.2f}×", "-"))
+    return out
+
+
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
         "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics,
-        "sidecar_path": rows_sidecar_path}
+        "sidecar_path": rows_sidecar_path, "takeover": rows_takeover}
 
 
 def machine() -> str:

@@ -10,16 +10,13 @@ takes over, and A is SIGTERMed once B is ready, with everything left in A's cgro
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -27,206 +24,29 @@ import pytest
 from agent.cni import protocol
 from agent.envoy.compat import BUILT_FOR
 from agent.envoy.supervisor import envoy_version
-from agent.netns.cgroup import cgroup2_mount
-from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import CniError, Pod
 from agent.testing.netutil import http_echo_server
+from agent.testing.takeover_load import (
+    EXT_PORT,
+    RAW_IP,
+    RAW_PORT,
+    WEB_IP,
+    Load,
+    answers,
+    control,
+    echo_server,
+    envoys_of,
+    in_cgroup,
+    kill_cgroup,
+    new_cgroup,
+    remove_cgroup,
+    works,
+)
 from integration.conftest import EnvoyNode, until
 
-WEB_IP, RAW_IP = "10.96.74.10", "10.96.74.11"
-EXT_PORT, RAW_PORT = 7100, 7000
 DRAIN_S = 4.0
 # the previous Envoy release, unpacked by scripts/setup: A runs it, B the project's own
 PREVIOUS_ENVOY = "/opt/aether/envoy-1.39.3/envoy"
-
-
-def _cgroup(name: str) -> str:
-    """A fresh cgroup v2 (a hybrid host keeps the hierarchy at /sys/fs/cgroup/unified)."""
-    with open("/proc/self/mountinfo") as f:
-        mount = cgroup2_mount(f.read())
-    assert mount is not None, "the take-over test needs cgroup v2"
-    path = os.path.join(mount, f"aether-test-{name}-{uuid.uuid4().hex[:6]}")
-    os.mkdir(path)
-    return path
-
-
-def _in_cgroup(path: str) -> list[str]:
-    """A command prefix that starts the command in cgroup ``path`` (as a runtime would)."""
-    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', path]
-
-
-def _kill_cgroup(path: str) -> None:
-    """What the runtime does at the end of the grace period: everything left dies."""
-    for root, _dirs, _files in os.walk(path, topdown=False):
-        try:
-            with open(os.path.join(root, "cgroup.kill"), "w") as f:
-                f.write("1")
-        except OSError:
-            pass
-
-
-def _remove_cgroup(path: str) -> None:
-    _kill_cgroup(path)
-    for root, _dirs, _files in os.walk(path, topdown=False):
-        for _ in range(50):
-            try:
-                os.rmdir(root)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
-def _sock(netns: str) -> socket.socket:
-    """A TCP socket of the pod's netns (it stays there wherever it is used)."""
-    return run_in_netns(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-
-
-def _echo_server(netns: str, port: int) -> socket.socket:
-    lst = run_in_netns(netns, lambda: socket.create_server(("0.0.0.0", port), backlog=512))
-
-    def one(c: socket.socket) -> None:
-        with c:
-            try:
-                while data := c.recv(65536):
-                    c.sendall(data)
-            except OSError:
-                pass
-
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = lst.accept()
-            except OSError:
-                return
-            threading.Thread(target=one, args=(c,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return lst
-
-
-class Load:
-    """The traffic that must not notice the take-over, counted per kind."""
-
-    def __init__(self, client: Pod, ext_ip: str) -> None:
-        self.client, self.ext_ip = client, ext_ip
-        self.stop = threading.Event()
-        self.ok: dict[str, int] = {"passthrough": 0, "service": 0, "http": 0}
-        self.failures: list[tuple[float, str, str]] = []
-        self.http_retries = 0
-        self.long_cut: list[float] = []  # when each long-lived connection broke, if it did
-        self.threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def _fail(self, kind: str, err: BaseException | str) -> None:
-        with self._lock:
-            self.failures.append((time.time(), kind, repr(err)))
-
-    def _new_connections(self, kind: str, ip: str, port: int) -> None:
-        n = 0
-        while not self.stop.wait(0.025):
-            n += 1
-            payload = f"{kind}-{n}".encode()
-            s = _sock(self.client.netns)
-            try:
-                s.settimeout(5)
-                s.connect((ip, port))
-                s.sendall(payload)
-                got = b""
-                while len(got) < len(payload):
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    got += chunk
-                if got != payload:
-                    raise OSError(f"echo {got!r} != {payload!r}")
-                with self._lock:
-                    self.ok[kind] += 1
-            except OSError as e:
-                self._fail(kind, e)
-            finally:
-                s.close()
-
-    def _http(self) -> None:
-        conn: http.client.HTTPConnection | None = None
-        netns = self.client.netns
-
-        class InPod(http.client.HTTPConnection):
-            def connect(self) -> None:
-                self.sock = _sock(netns)
-                self.sock.settimeout(self.timeout)
-                self.sock.connect((self.host, self.port))
-
-        def once(c: http.client.HTTPConnection) -> int:
-            c.request("GET", "/", headers={"Host": "web"})
-            r = c.getresponse()
-            r.read()
-            if r.getheader("connection", "").lower() == "close":
-                c.close()
-            return r.status
-
-        while not self.stop.wait(0.025):
-            if conn is None:
-                conn = InPod(WEB_IP, 80, timeout=5)
-            try:
-                status = once(conn)
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                # a kept-alive connection closed cleanly under us: retried once, as HTTP
-                # clients do for an idempotent request
-                conn.close()
-                conn = InPod(WEB_IP, 80, timeout=5)
-                with self._lock:
-                    self.http_retries += 1
-                try:
-                    status = once(conn)
-                except (OSError, http.client.HTTPException) as e:
-                    self._fail("http", e)
-                    conn.close()
-                    conn = None
-                    continue
-            except (OSError, http.client.HTTPException) as e:
-                self._fail("http", e)
-                conn.close()
-                conn = None
-                continue
-            if status == 200:
-                with self._lock:
-                    self.ok["http"] += 1
-            else:
-                self._fail("http", f"HTTP {status}")
-
-    def _long_lived(self, i: int) -> None:
-        s = _sock(self.client.netns)
-        s.settimeout(5)
-        try:
-            s.connect((RAW_IP, RAW_PORT))
-            while not self.stop.wait(0.2):
-                s.sendall(f"long-{i}".encode())
-                if s.recv(64) != f"long-{i}".encode():
-                    raise OSError("long-lived echo mismatch or closed")
-        except OSError:
-            with self._lock:
-                self.long_cut.append(time.time())
-        finally:
-            s.close()
-
-    def start(self) -> None:
-        targets: list[Callable[[], None]] = [
-            lambda: self._new_connections("passthrough", self.ext_ip, EXT_PORT),
-            lambda: self._new_connections("service", RAW_IP, RAW_PORT),
-            self._http,
-            *[(lambda i=i: self._long_lived(i)) for i in range(4)],
-        ]
-        for t in targets:
-            th = threading.Thread(target=t, daemon=True)
-            th.start()
-            self.threads.append(th)
-
-    def finish(self) -> None:
-        self.stop.set()
-        for th in self.threads:
-            th.join(15)
 
 
 class Churn:
@@ -283,26 +103,12 @@ class Churn:
         self.thread.join(30)
 
 
-def _control(run_dir: str, instance: str, command: str) -> dict[str, Any]:
-    return protocol.call(os.path.join(run_dir, "agents", f"{instance}.sock"),
-                         {"command": command}, 5)
-
-
-def _envoys_of(run_dir: str) -> list[int]:
-    out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if cmd and os.path.basename(cmd[0]) == "envoy" and any(run_dir in a for a in cmd):
-            out.append(p.info["pid"])
-    return out
-
-
 @pytest.fixture
 def cgroups() -> Iterator[tuple[str, str]]:
-    a, b = _cgroup("a"), _cgroup("b")
+    a, b = new_cgroup("a"), new_cgroup("b")
     yield a, b
-    _remove_cgroup(a)
-    _remove_cgroup(b)
+    remove_cgroup(a)
+    remove_cgroup(b)
 
 
 def _envoy_version(pid: int) -> str:
@@ -322,7 +128,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         a_binary = ["--envoy-binary", PREVIOUS_ENVOY]
     n = EnvoyNode(workdir, bridge_name, extra=["--drain-seconds", str(DRAIN_S),
                                                "--instance", "agent-a", *a_binary])
-    n.agent.wrapper = _in_cgroup(cg_a)
+    n.agent.wrapper = in_cgroup(cg_a)
     b_proc: subprocess.Popen[bytes] | None = None
     load: Load | None = None
     churn: Churn | None = None
@@ -345,11 +151,11 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         for p in (web, raw, ext, client):
             n.add(p)
         http_echo_server(web.netns, "0.0.0.0", 8080, "web-0")
-        servers = [_echo_server(raw.netns, RAW_PORT), _echo_server(ext.netns, EXT_PORT)]
+        servers = [echo_server(raw.netns, RAW_PORT), echo_server(ext.netns, EXT_PORT)]
         load = Load(client, ext.ip())
-        until(lambda: _works(load), "the captured client never reached all three destinations")
+        until(lambda: works(load), "the captured client never reached all three destinations")
         envoy_a = n.envoy_pid()
-        assert _control(run_dir, "agent-a", "hello")["hello"]["slot"] == "envoy"
+        assert control(run_dir, "agent-a", "hello")["hello"]["slot"] == "envoy"
 
         load.start()
         time.sleep(1.5)
@@ -358,7 +164,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         time.sleep(0.5)
         # B: the same command and run dir, in another cgroup, under another name
         cmd_a = list(n.agent.proc.args)  # type: ignore[union-attr, arg-type]
-        cmd_b = _in_cgroup(cg_b) + cmd_a[len(n.agent.wrapper):]
+        cmd_b = in_cgroup(cg_b) + cmd_a[len(n.agent.wrapper):]
         cmd_b[cmd_b.index("agent-a")] = "agent-b"
         if a_binary:  # B: the project's own Envoy
             i = cmd_b.index("--envoy-binary")
@@ -369,7 +175,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
 
         def b_ready() -> bool:
             try:
-                return bool(_control(run_dir, "agent-b", "ready")["ready"])
+                return bool(control(run_dir, "agent-b", "ready")["ready"])
             except OSError:
                 assert b_proc is not None and b_proc.poll() is None, _tail(workdir, "agent-b.log")
                 return False
@@ -386,15 +192,16 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
                              capture_output=True, text=True, check=False).stdout
         assert "take-over: serving as agent-b" in out and "replacing agent-a" in out, out
         # B's Envoy holds every pod's listener beside A's, and both proxies RETURN meanwhile
-        envoy_b = [p for p in _envoys_of(run_dir) if p != envoy_a]
-        assert len(envoy_b) == 1, _envoys_of(run_dir)
+        envoy_b = [p for p in envoys_of(run_dir) if p != envoy_a]
+        assert len(envoy_b) == 1, envoys_of(run_dir)
         version_a, version_b = _envoy_version(envoy_a), _envoy_version(envoy_b[0])
         assert version_b == ".".join(map(str, BUILT_FOR)), version_b
         assert (version_a != version_b) == (a_envoy == "previous"), (version_a, version_b)
+        assert status_b["envoy"]["version"] == version_b, status_b["envoy"]  # B's own
         time.sleep(2.0)  # load runs against the overlap (A retired, B serving)
         t_term = time.time()
         n.agent.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        killer = threading.Timer(40.0, _kill_cgroup, args=(cg_a,))
+        killer = threading.Timer(40.0, kill_cgroup, args=(cg_a,))
         killer.start()
         try:
             n.agent.proc.wait(DRAIN_S + 20)  # type: ignore[union-attr]
@@ -402,7 +209,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
             killer.cancel()
         t_exit = time.time()
         assert n.agent.proc.returncode == 0, n.agent.logs()[-3000:]  # type: ignore[union-attr]
-        until(lambda: envoy_a not in _envoys_of(run_dir), "A's Envoy outlived A")
+        until(lambda: envoy_a not in envoys_of(run_dir), "A's Envoy outlived A")
         time.sleep(2.0)  # load goes on against B alone
         churn.finish()
         load.finish()
@@ -415,7 +222,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         # the long-lived connections ran through A's Envoy: cut at the end of its drain at
         # the earliest, never before A got SIGTERM
         assert all(t >= t_term for t in load.long_cut), (load.long_cut, t_term)
-        assert _envoys_of(run_dir) == envoy_b, (_envoys_of(run_dir), envoy_b)
+        assert envoys_of(run_dir) == envoy_b, (envoys_of(run_dir), envoy_b)
         st = n.agent.status()
         assert st["takeover"]["replaced"]["state"] == "gone", st["takeover"]
         pods = {p["pod"]: p for p in st["pods"]}
@@ -443,12 +250,12 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         cmd_c = list(cmd_b)
         cmd_c[cmd_c.index("agent-b")] = "agent-c"
         b_proc = subprocess.Popen(cmd_c, stdout=b_log, stderr=b_log)
-        until(lambda: _answers(run_dir, "agent-c"), "the restarted agent never became ready",
+        until(lambda: answers(run_dir, "agent-c"), "the restarted agent never became ready",
               timeout=60)
         st = n.agent.status()
         assert st["takeover"]["instance"] == "agent-c" and "replaced" not in st["takeover"]
         assert st["envoy"]["pid"] == envoy_b[0] and st["envoy"].get("adopted"), st["envoy"]
-        assert _envoys_of(run_dir) == envoy_b
+        assert envoys_of(run_dir) == envoy_b
         print(f"take-over (Envoy {version_a} -> {version_b}): B ready {t_ready - t0:.1f}s "
               f"after start; A exited "
               f"{t_exit - t_term:.1f}s after SIGTERM; {load.ok} ok, {load.http_retries} HTTP "
@@ -470,33 +277,6 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
                 b_proc.kill()
         n.agent.stop()
     assert "Traceback" not in n.agent.logs()
-
-
-def _answers(run_dir: str, instance: str) -> bool:
-    try:
-        return bool(_control(run_dir, instance, "ready")["ready"])
-    except OSError:
-        return False
-
-
-def _works(load: Load) -> bool:
-    try:
-        for ip, port in ((load.ext_ip, EXT_PORT), (RAW_IP, RAW_PORT)):
-            s = _sock(load.client.netns)
-            s.settimeout(3)
-            with s:
-                s.connect((ip, port))
-                s.sendall(b"x")
-                if s.recv(8) != b"x":
-                    return False
-        s = _sock(load.client.netns)
-        s.settimeout(3)
-        with s:
-            s.connect((WEB_IP, 80))
-            s.sendall(b"GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n")
-            return s.recv(64).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
 
 
 def _tail(workdir: str, name: str, size: int = 3000) -> str:

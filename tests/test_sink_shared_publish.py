@@ -108,6 +108,7 @@ def test_adds_arriving_while_envoy_applies_a_push_gather_into_the_next() -> None
 class _Xds:
     def __init__(self, ack_after: float | None, nack: bool = False) -> None:
         self.t0, self.ack_after, self.nack = time.monotonic(), ack_after, nack
+        self.held = False
 
     def wait_acked(self, version: str, timeout: float) -> bool:
         if self.ack_after is not None and time.monotonic() - self.t0 >= self.ack_after:
@@ -160,3 +161,38 @@ def test_no_envoy_connected_holds_nothing() -> None:
     xds = _Xds(ack_after=None)
     xds.status = lambda: {"last_nack": None, "connected_streams": 0}  # type: ignore[method-assign]
     assert _awaited(xds) < 0.05
+
+
+class _HeldXds:
+    """An Envoy connected to a held xDS server: nothing is sent, so nothing is ACKed."""
+
+    def __init__(self, held: bool) -> None:
+        self.held = held
+        self.waits = 0
+
+    def status(self) -> dict[str, object]:
+        return {"connected_streams": 1}
+
+    def wait_acked(self, version: str, timeout: float) -> bool:
+        self.waits += 1
+        time.sleep(timeout)
+        return False
+
+
+class _HeldWaiter:
+    _await_envoy = EnvoySink._await_envoy
+
+    def __init__(self, held: bool) -> None:
+        self.xds = _HeldXds(held)
+
+
+def test_a_held_xds_server_is_not_waited_on_for_an_ack_it_cannot_send() -> None:
+    """A take-over restores every recorded pod into its Envoy before the Services are in:
+    waiting out PIPELINE_WAIT_S for each held publish cost 1 s a pod (a minute at 110)."""
+    held = _HeldWaiter(held=True)
+    started = time.monotonic()
+    held._await_envoy("7")
+    assert time.monotonic() - started < 0.05 and held.xds.waits == 0
+    released = _HeldWaiter(held=False)  # the same Envoy once released: its ACK is waited for
+    released._await_envoy("7", until=time.monotonic() + 0.2)
+    assert released.xds.waits > 0
