@@ -1,0 +1,1 @@
+"""Authorization (#41): who may call whom, decided at the destination's node proxy."""
