@@ -1,0 +1,166 @@
+"""The policies that select a pod → Envoy RBAC filters for its inbound chains (#41).
+
+Pure: plain Policy values in, protos out. The principal comes only from the verified peer
+certificate (``authenticated.principal_name``, the URI SAN), never from a header; the port
+is the inbound hop's server name (the caller's proxy names the target port there). One
+filter per action, in Istio's order: DENY, then ALLOW (present whenever an ALLOW policy
+selects the pod: with no policy matching it denies), then AUDIT as Envoy's LOG action.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from envoy.config.rbac.v3 import rbac_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as http_rbac_pb2
+from envoy.extensions.filters.network.rbac.v3 import rbac_pb2 as net_rbac_pb2
+from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
+
+from agent.authz.policy import ALLOW, AUDIT, DENY, Operation, Policy, Source, effective_rules
+
+NETWORK_RBAC = "envoy.filters.network.rbac"
+HTTP_RBAC = "envoy.filters.http.rbac"
+_ACTIONS = {DENY: rbac_pb2.RBAC.DENY, ALLOW: rbac_pb2.RBAC.ALLOW, AUDIT: rbac_pb2.RBAC.LOG}
+
+
+def _glob(pattern: str, prefix: str = "", ignore_case: bool = False) -> string_pb2.StringMatcher:
+    if pattern == "*":
+        return string_pb2.StringMatcher(prefix=prefix, ignore_case=ignore_case)
+    if pattern.endswith("*"):
+        return string_pb2.StringMatcher(prefix=prefix + pattern[:-1], ignore_case=ignore_case)
+    if pattern.startswith("*"):
+        return string_pb2.StringMatcher(suffix=pattern[1:], ignore_case=ignore_case)
+    return string_pb2.StringMatcher(exact=prefix + pattern, ignore_case=ignore_case)
+
+
+def _ns_regex(pattern: str) -> string_pb2.StringMatcher:
+    if pattern == "*":
+        ns = "[^/]+"
+    elif pattern.endswith("*"):
+        ns = re.escape(pattern[:-1]) + "[^/]*"
+    elif pattern.startswith("*"):
+        ns = "[^/]*" + re.escape(pattern[1:])
+    else:
+        ns = re.escape(pattern)
+    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(
+        regex=f"spiffe://[^/]+/ns/{ns}/sa/[^/]+"))
+
+
+def _principal_id(m: string_pb2.StringMatcher) -> rbac_pb2.Principal:
+    return rbac_pb2.Principal(authenticated=rbac_pb2.Principal.Authenticated(principal_name=m))
+
+
+def _any_id(ids: Sequence[rbac_pb2.Principal]) -> rbac_pb2.Principal:
+    return ids[0] if len(ids) == 1 else rbac_pb2.Principal(
+        or_ids=rbac_pb2.Principal.Set(ids=list(ids)))
+
+
+def _cidr_id(block: str) -> rbac_pb2.Principal:
+    from envoy.config.core.v3 import address_pb2
+    ip, _, plen = block.partition("/")
+    cidr = address_pb2.CidrRange(address_prefix=ip)
+    cidr.prefix_len.value = int(plen)
+    return rbac_pb2.Principal(direct_remote_ip=cidr)
+
+
+def source_principal(s: Source) -> rbac_pb2.Principal:
+    parts: list[rbac_pb2.Principal] = []
+
+    def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
+        if yes:
+            parts.append(_any_id(yes))
+        if no:
+            parts.append(rbac_pb2.Principal(not_id=_any_id(no)))
+
+    pair([_principal_id(_glob(p, "spiffe://")) for p in s.principals],
+         [_principal_id(_glob(p, "spiffe://")) for p in s.not_principals])
+    pair([_principal_id(_ns_regex(n)) for n in s.namespaces],
+         [_principal_id(_ns_regex(n)) for n in s.not_namespaces])
+    pair([_cidr_id(b) for b in s.ip_blocks], [_cidr_id(b) for b in s.not_ip_blocks])
+    if not parts:
+        return rbac_pb2.Principal(any=True)
+    return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
+        and_ids=rbac_pb2.Principal.Set(ids=parts))
+
+
+def _any_perm(perms: Sequence[rbac_pb2.Permission]) -> rbac_pb2.Permission:
+    return perms[0] if len(perms) == 1 else rbac_pb2.Permission(
+        or_rules=rbac_pb2.Permission.Set(rules=list(perms)))
+
+
+def _header(name: str, m: string_pb2.StringMatcher) -> rbac_pb2.Permission:
+    return rbac_pb2.Permission(header=route_components_pb2.HeaderMatcher(
+        name=name, string_match=m))
+
+
+def _path(pattern: str) -> rbac_pb2.Permission:
+    return rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=_glob(pattern)))
+
+
+def operation_permission(o: Operation) -> rbac_pb2.Permission:
+    parts: list[rbac_pb2.Permission] = []
+
+    def pair(yes: Sequence[rbac_pb2.Permission], no: Sequence[rbac_pb2.Permission]) -> None:
+        if yes:
+            parts.append(_any_perm(yes))
+        if no:
+            parts.append(rbac_pb2.Permission(not_rule=_any_perm(no)))
+
+    def port(p: int) -> rbac_pb2.Permission:
+        return rbac_pb2.Permission(requested_server_name=string_pb2.StringMatcher(exact=str(p)))
+
+    pair([port(p) for p in o.ports], [port(p) for p in o.not_ports])
+    pair([_header(":method", string_pb2.StringMatcher(exact=m)) for m in o.methods],
+         [_header(":method", string_pb2.StringMatcher(exact=m)) for m in o.not_methods])
+    pair([_path(p) for p in o.paths], [_path(p) for p in o.not_paths])
+    pair([_header(":authority", _glob(h, ignore_case=True)) for h in o.hosts],
+         [_header(":authority", _glob(h, ignore_case=True)) for h in o.not_hosts])
+    if not parts:
+        return rbac_pb2.Permission(any=True)
+    return parts[0] if len(parts) == 1 else rbac_pb2.Permission(
+        and_rules=rbac_pb2.Permission.Set(rules=parts))
+
+
+def rbac_rules(policies: Sequence[Policy], action: str, http: bool) -> rbac_pb2.RBAC | None:
+    """The Envoy RBAC of the ``action`` policies among ``policies``, as enforced on an HTTP
+    chain (``http``) or an L4 one; None when no such policy selects the pod."""
+    chosen = [p for p in policies if p.action == action]
+    if not chosen or (action == AUDIT and all(p.error for p in chosen)):
+        return None
+    out = rbac_pb2.RBAC(action=_ACTIONS[action])
+    for p in chosen:
+        rules = effective_rules(p, http)
+        if rules is None:  # an unreadable DENY: everything
+            out.policies[p.key].permissions.add(any=True)
+            out.policies[p.key].principals.add(any=True)
+            continue
+        for i, r in enumerate(rules):
+            pol = out.policies[f"{p.key}[{i}]"]
+            pol.permissions.extend([operation_permission(o) for o in r.operations]
+                                   or [rbac_pb2.Permission(any=True)])
+            pol.principals.extend([source_principal(s) for s in r.sources]
+                                  or [rbac_pb2.Principal(any=True)])
+    return out
+
+
+def network_rbac_filters(policies: Sequence[Policy]) -> list[net_rbac_pb2.RBAC]:
+    """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT)."""
+    out = []
+    for action in (DENY, ALLOW, AUDIT):
+        rules = rbac_rules(policies, action, http=False)
+        if rules is not None:
+            out.append(net_rbac_pb2.RBAC(rules=rules, stat_prefix=f"authz_{action.lower()}."))
+    return out
+
+
+def http_rbac_filters(policies: Sequence[Policy]) -> list[http_rbac_pb2.RBAC]:
+    """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order."""
+    out = []
+    for action in (DENY, ALLOW, AUDIT):
+        rules = rbac_rules(policies, action, http=True)
+        if rules is not None:
+            out.append(http_rbac_pb2.RBAC(rules=rules,
+                                          rules_stat_prefix=f"authz_{action.lower()}."))
+    return out
