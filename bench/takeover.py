@@ -42,9 +42,7 @@ from agent.netns.pin import release_mounts_under
 from agent.testing.netutil import http_echo_server
 from agent.testing.takeover_load import (
     EXT_PORT,
-    RAW_IP,
     RAW_PORT,
-    WEB_IP,
     Load,
     answers,
     echo_server,
@@ -53,6 +51,7 @@ from agent.testing.takeover_load import (
     kill_cgroup,
     new_cgroup,
     remove_cgroup,
+    services,
     works,
 )
 from bench.common import dumps, machine_info, progress, run_dir_on_tmpfs
@@ -60,17 +59,6 @@ from integration.conftest import EnvoyNode, until
 
 DRAIN_S = 3.0
 KINDS = ("passthrough", "service", "http")
-
-
-def _services() -> list[dict[str, Any]]:
-    return [
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-         "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
-                  "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                             "appProtocol": "http"}]}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
-         "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
-                  "ports": [{"name": "tcp", "port": RAW_PORT, "targetPort": RAW_PORT}]}}]
 
 
 class Agents:
@@ -142,16 +130,7 @@ def _cpu_s(pid: int) -> float:
 
 def _failures_since(load: Load, n: int, t0: float) -> list[str]:
     """The first few failures after the ``n``-th: when (s after ``t0``), what, the error."""
-    with load._lock:  # noqa: SLF001
-        new = load.failures[n:n + 5]
-    return [f"{t - t0:+.2f}s {kind}: {err}" for t, kind, err in new]
-
-
-def _counts(load: Load) -> tuple[dict[str, int], dict[str, int]]:
-    with load._lock:  # noqa: SLF001 - a consistent snapshot of both
-        ok = dict(load.ok)
-        failed = {k: sum(1 for f in load.failures if f[1] == k) for k in KINDS}
-    return ok, failed
+    return [f"{t - t0:+.2f}s {kind}: {err}" for t, kind, err in load.failures_since(n)]
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -162,7 +141,7 @@ def _takeover(agents: Agents, load: Load) -> dict[str, Any]:
     old, old_cg = agents.proc, agents.cgroup
     assert old is not None
     envoys_before = set(envoys_of(agents.run_dir))
-    ok0, failed0 = _counts(load)
+    ok0, failed0 = load.counts(KINDS)
     n_failed, wall0 = len(load.failures), time.time()
     t0 = time.monotonic()
     proc, cg = agents.start_next()
@@ -178,7 +157,7 @@ def _takeover(agents: Agents, load: Load) -> dict[str, Any]:
     kill_cgroup(old_cg)  # the runtime: the pod's containers ended, what is left dies
     until(lambda: not (set(envoys_of(agents.run_dir)) & envoys_before),
           "the replaced agent's Envoy outlived it", timeout=30)
-    ok1, failed1 = _counts(load)
+    ok1, failed1 = load.counts(KINDS)
     agents.proc, agents.cgroup = proc, cg
     return {"ready_s": t_ready - t0, "overlap_s": t_exit - t0, "exit_after_term_s":
             t_exit - t_ready - 1.0, "agent_cpu_s": cpu_agent, "envoy_cpu_s": cpu_envoy,
@@ -199,7 +178,7 @@ def _crash(agents: Agents, load: Load, pods: int) -> dict[str, Any]:
     old = agents.proc
     assert old is not None
     envoys_before = set(envoys_of(agents.run_dir))
-    ok0, failed0 = _counts(load)
+    ok0, failed0 = load.counts(KINDS)
     t_kill = time.monotonic()
     kill_cgroup(agents.cgroup)  # agent, keeper and Envoy at once
     old.wait(30)
@@ -216,7 +195,7 @@ def _crash(agents: Agents, load: Load, pods: int) -> dict[str, Any]:
         time.sleep(0.05)
     t_live = time.monotonic()
     time.sleep(1.0)  # the load's connections in flight at t_live settle
-    ok1, failed1 = _counts(load)
+    ok1, failed1 = load.counts(KINDS)
     return {"live_s": t_live - t0, "live_after_kill_s": t_live - t_kill,
             "ready_s": t_ready - t0, "ok": _delta(ok1, ok0), "failed": _delta(failed1, failed0)}
 
@@ -276,7 +255,7 @@ def run(n_takeovers: int, n_crashes: int, n_pods: int, workdir: str) -> dict[str
         progress(f"[takeover] starting the agent, then {n_pods} pods …")
         agents.start_first()
         n.wait_ready()
-        n.agent.write("svcs.yaml", _services())
+        n.agent.write("svcs.yaml", services())
         web = n.pod(name="web-0", labels={"app": "web"})
         raw = n.pod(name="raw-0", labels={"app": "raw"})
         ext = n.pod(namespace="plain", name="ext-0")  # not in the mesh: passthrough

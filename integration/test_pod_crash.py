@@ -27,6 +27,7 @@ from agent.testing.takeover_load import (
     new_cgroup,
     pod_socket,
     remove_cgroup,
+    services,
     works,
 )
 from integration.conftest import EnvoyNode, until
@@ -65,14 +66,7 @@ def test_a_crash_of_the_whole_pod_fails_closed_and_the_next_agent_recovers(
     try:
         n.agent.start()
         n.wait_ready()
-        n.agent.write("svcs.yaml", [
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
-                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                                 "appProtocol": "http"}]}},
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
-             "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
-                      "ports": [{"name": "tcp", "port": RAW_PORT, "targetPort": RAW_PORT}]}}])
+        n.agent.write("svcs.yaml", services())
         web = n.pod(name="web-0", labels={"app": "web"})
         raw = n.pod(name="raw-0", labels={"app": "raw"})
         ext = n.pod(namespace="plain", name="ext-0")

@@ -28,9 +28,7 @@ from agent.testing.kubelet import CniError, Pod
 from agent.testing.netutil import http_echo_server
 from agent.testing.takeover_load import (
     EXT_PORT,
-    RAW_IP,
     RAW_PORT,
-    WEB_IP,
     Load,
     answers,
     control,
@@ -40,6 +38,7 @@ from agent.testing.takeover_load import (
     kill_cgroup,
     new_cgroup,
     remove_cgroup,
+    services,
     works,
 )
 from integration.conftest import EnvoyNode, until
@@ -136,14 +135,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
     try:
         n.wait_ready()
         run_dir = n.agent.run_dir
-        n.agent.write("svcs.yaml", [
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
-             "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
-                      "ports": [{"name": "http", "port": 80, "targetPort": 8080,
-                                 "appProtocol": "http"}]}},
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
-             "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
-                      "ports": [{"name": "tcp", "port": RAW_PORT, "targetPort": RAW_PORT}]}}])
+        n.agent.write("svcs.yaml", services())
         web = n.pod(name="web-0", labels={"app": "web"})
         raw = n.pod(name="raw-0", labels={"app": "raw"})
         ext = n.pod(namespace="plain", name="ext-0")  # not in the mesh: passthrough

@@ -145,22 +145,23 @@ def rbac_rules(policies: Sequence[Policy], action: str, http: bool) -> rbac_pb2.
     return out
 
 
-def network_rbac_filters(policies: Sequence[Policy]) -> list[net_rbac_pb2.RBAC]:
-    """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT)."""
+def _rules_in_order(policies: Sequence[Policy], http: bool) -> list[tuple[str, rbac_pb2.RBAC]]:
+    """(action, RBAC) of each action that has policies, in Istio's order."""
     out = []
     for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, http=False)
+        rules = rbac_rules(policies, action, http)
         if rules is not None:
-            out.append(net_rbac_pb2.RBAC(rules=rules, stat_prefix=f"authz_{action.lower()}."))
+            out.append((action, rules))
     return out
+
+
+def network_rbac_filters(policies: Sequence[Policy]) -> list[net_rbac_pb2.RBAC]:
+    """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT)."""
+    return [net_rbac_pb2.RBAC(rules=rules, stat_prefix=f"authz_{action.lower()}.")
+            for action, rules in _rules_in_order(policies, http=False)]
 
 
 def http_rbac_filters(policies: Sequence[Policy]) -> list[http_rbac_pb2.RBAC]:
     """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order."""
-    out = []
-    for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, http=True)
-        if rules is not None:
-            out.append(http_rbac_pb2.RBAC(rules=rules,
-                                          rules_stat_prefix=f"authz_{action.lower()}."))
-    return out
+    return [http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=f"authz_{action.lower()}.")
+            for action, rules in _rules_in_order(policies, http=True)]

@@ -29,6 +29,18 @@ WEB_IP, RAW_IP = "10.96.74.10", "10.96.74.11"
 EXT_PORT, RAW_PORT = 7100, 7000
 
 
+def services() -> list[dict[str, Any]]:
+    """The manifests of web (``appProtocol: http``, port 80 → 8080) and raw (L4)."""
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "app"},
+         "spec": {"clusterIP": WEB_IP, "clusterIPs": [WEB_IP], "selector": {"app": "web"},
+                  "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                             "appProtocol": "http"}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "raw", "namespace": "app"},
+         "spec": {"clusterIP": RAW_IP, "clusterIPs": [RAW_IP], "selector": {"app": "raw"},
+                  "ports": [{"name": "tcp", "port": RAW_PORT, "targetPort": RAW_PORT}]}}]
+
+
 def new_cgroup(name: str) -> str:
     """A fresh cgroup v2 (a hybrid host keeps the hierarchy at /sys/fs/cgroup/unified)."""
     with open("/proc/self/mountinfo") as f:
@@ -199,6 +211,17 @@ class Load:
                 self.long_cut.append(time.time())
         finally:
             s.close()
+
+    def counts(self, kinds: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+        """A consistent snapshot: successes and failures by kind."""
+        with self._lock:
+            return ({k: self.ok[k] for k in kinds},
+                    {k: sum(1 for f in self.failures if f[1] == k) for k in kinds})
+
+    def failures_since(self, n: int) -> list[tuple[float, str, str]]:
+        """The first few failures after the ``n``-th."""
+        with self._lock:
+            return self.failures[n:n + 5]
 
     def start(self) -> None:
         targets: list[Callable[[], None]] = [
