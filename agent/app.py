@@ -59,6 +59,8 @@ class AgentOptions:
     mesh: bool = True
     mesh_domain: str = "aether.internal"
     trust_domain: str = "cluster.local"
+    # AuthorizationPolicies in this namespace select pods mesh-wide (Istio's root namespace)
+    root_namespace: str = "aether-system"
     scope_all: bool = False
     # where other nodes' pods come from: "meshpods" (their agents' MeshPod records; this
     # node's Pods only from the Pod API) or "pods" (every Pod of the cluster)
@@ -452,7 +454,8 @@ class Agent:
         o = self.options
         self.mesh = MeshRuntime(self.node, mesh_domain=o.mesh_domain, trust_domain=o.trust_domain,
                                 scope_all=o.scope_all, learn_ttl=o.learn_ttl,
-                                controller_name=o.gamma_controller_name)
+                                controller_name=o.gamma_controller_name,
+                                root_namespace=o.root_namespace)
         watcher: Any = None
         if o.manifests:
             from agent.source.cached import CachedSource
@@ -481,6 +484,12 @@ class Agent:
         for pod in self.store.all():
             self.mesh.model.register_local(pod.uid, pod.namespace, pod.name, pod.service_account,
                                            pod.ips, ready=True)
+        if hasattr(self.sink, "authz_for"):
+            # an ADD's first listener already enforces the policies selecting the pod
+            self.sink.authz_for = self.mesh.authz.for_pod
+        authz = self.mesh.authz
+        self.node.authz.set(lambda ns, labels: bool(authz.for_pod(ns, labels)))
+        self.mesh.on_authz_selection = self._judge_selected
         self.handler.on_captured = self.mesh.pod_captured
         self.handler.on_released = self.mesh.pod_released
         set_learner = getattr(self.sink, "set_access_callback", None)
@@ -503,6 +512,21 @@ class Agent:
             self.slices.start(synced=synced)
             self.meshpods.start(synced=synced)
             self._start_route_status(watcher)
+
+    def _judge_selected(self, selected: frozenset[str]) -> None:
+        """The pods an AuthorizationPolicy selects changed: their rules steer plaintext
+        inbound to the proxy to be judged (PERMISSIVE ones), the others' stop doing so."""
+        from agent.capture.policy import CapturePolicy, with_judged
+        node = self.handler.strict_node()
+        for rec in self.store.all():
+            want = rec.key in selected and not rec.policy.strict
+            if rec.policy.judged != want:
+                def change(p: CapturePolicy, w: bool = want) -> CapturePolicy:
+                    return with_judged(p, w, node)
+                self.handler.update_policy(
+                    rec.container_id, change,
+                    reason=("an authorization policy selects it: plaintext inbound judged"
+                            if want else None))
 
     def readiness_checks(self) -> dict[str, bool]:
         """What /readyz and the node taint wait for: plugin installed, socket served, Envoy."""
@@ -1016,8 +1040,26 @@ class Agent:
             out["repairs"] = None
         return out
 
-    def pod_status(self, key: str, dest: str | None) -> dict[str, Any]:
-        """One pod in depth: rules as programmed, its listener, and where dest would go."""
+    def _pod_authz(self, pod: CapturedPod, caller: str | None, port: int | None
+                   ) -> dict[str, Any]:
+        """The AuthorizationPolicies its inbound listener enforces and, for ``caller`` (a
+        SPIFFE ID; "" a plaintext caller), the decision at L4 on ``port``."""
+        from agent.authz.policy import Request, decide, describe
+        authz_of = getattr(self.sink, "authz_of", None)
+        policies = authz_of(pod.container_id) if callable(authz_of) else ()
+        out: dict[str, Any] = {"policies": describe(policies),
+                               "plaintext_judged": pod.policy.judged}
+        if caller is not None:
+            d = decide(policies, Request(port=port or 0, principal=caller or None))
+            out["from"] = {"caller": caller or "(plaintext)", "port": port,
+                           "allowed": d.allowed, "reason": d.reason,
+                           "audited": list(d.audited)}
+        return out
+
+    def pod_status(self, key: str, dest: str | None, caller: str | None = None,
+                   port: int | None = None) -> dict[str, Any]:
+        """One pod in depth: rules as programmed, its listener, where dest would go and,
+        with ``caller``, what its AuthorizationPolicies decide for that caller."""
         pods = [p for p in self.store.all() if p.key == key]
         if not pods:
             return {"ok": False, "msg": f"pod {key} is not captured on this node"}
@@ -1036,9 +1078,10 @@ class Agent:
         out["listener_state"], out["listener_detail"] = state, detail
         out["listener_live"] = None if state in (NO_PROXY, "unknown") else state == "live"
         out["degraded"] = out["rules_verified"] != "ok" or state not in ("live", NO_PROXY)
+        out["authorization"] = self._pod_authz(pod, caller, port)
         if dest:
             from agent.capture.explain import explain_destination
-            host, _, port = dest.rpartition(":")
+            host, _, dport = dest.rpartition(":")
             host = host.strip("[]")
             services: dict[tuple[str, int], str] = {}
             if self.mesh is not None:
@@ -1048,7 +1091,7 @@ class Agent:
                             services[(ip, sp.port)] = view.key
             try:
                 out["dest"] = {"address": dest, "verdict": explain_destination(
-                    pod.policy, pod.ips, host, int(port), services)}
+                    pod.policy, pod.ips, host, int(dport), services)}
             except ValueError:
                 out["dest"] = {"address": dest, "verdict": "expected IP:port"}
         return {"ok": True, "pod": out}
@@ -1089,4 +1132,9 @@ class Agent:
             return {"ok": False, "msg": 'expected "pod": "<namespace>/<name>"'}
         if dest is not None and not isinstance(dest, str):
             return {"ok": False, "msg": 'expected "dest": "IP:port" (a string) or null'}
-        return self.pod_status(pod, dest)
+        caller, port = request.get("from"), request.get("port")
+        if caller is not None and not isinstance(caller, str):
+            return {"ok": False, "msg": 'expected "from": a SPIFFE ID ("" plaintext) or null'}
+        if port is not None and (not isinstance(port, int) or not 0 < port < 65536):
+            return {"ok": False, "msg": 'expected "port": 1-65535 or null'}
+        return self.pod_status(pod, dest, caller, port)

@@ -67,6 +67,7 @@ def run(
     envoy_busy_timeout: Annotated[float, typer.Option(help="Seconds of admin silence tolerated while Envoy's main thread keeps working (applying a big config push) before it counts as hung.")] = 180.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
+    root_namespace: Annotated[str, typer.Option(help="An AuthorizationPolicy in this namespace applies mesh-wide (Istio's root namespace).")] = "aether-system",
     identity_ca_dir: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs this agent signs with DIR/ca.crt + DIR/ca.key (standalone nodes, the demo, tests; not for production clusters). Without an identity provider the mesh hop is plaintext.")] = None,
     identity_spire_socket: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs from the node's SPIRE agent over its Delegated Identity API (this agent must be an authorized delegate; the production provider).")] = None,
     svid_ttl: Annotated[float, typer.Option(help="Lifetime in seconds of the SVIDs signed with --identity-ca-dir (renewed at half life).")] = 3600.0,
@@ -205,7 +206,7 @@ def run(
         raise typer.BadParameter("--remote-pods must be 'meshpods' or 'pods'")
     options = AgentOptions(
         manifests=manifests, kubeconfig=kubeconfig, kube=not manifests, mesh_domain=mesh_domain,
-        trust_domain=trust_domain, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
+        trust_domain=trust_domain, root_namespace=root_namespace, scope_all=scope == "all", learn_ttl=learn_ttl, repair=repair,
         cni_conf_dir=cni_conf_dir, cni_bin_dir=cni_bin_dir, daemonset_name=daemonset_name,
         daemonset_namespace=daemonset_namespace, metrics_host=metrics_host, metrics_port=metrics_port,
         gamma_controller_name=controller_name, xmesh_create=xmesh_create,
@@ -235,13 +236,16 @@ def _ask(run_dir: str, request: dict[str, Any], timeout: float = 10.0) -> dict[s
 def status(
     pod: Annotated[str | None, typer.Argument(help="<namespace>/<pod> to drill into.")] = None,
     dest: Annotated[str | None, typer.Option(help="With a pod: where would IP:port go?")] = None,
+    from_: Annotated[str | None, typer.Option("--from", help="With a pod: what its AuthorizationPolicies decide for this caller (a SPIFFE ID, or '' for a plaintext caller), at L4.")] = None,
+    port: Annotated[int | None, typer.Option(help="With --from: the pod port called.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     run_dir: Annotated[str, typer.Option(help="The agent's run dir.")] = DEFAULT_RUN_DIR,
 ) -> None:
     """Ask the live agent how this node is doing (exit 1 degraded, 2 unreachable)."""
     try:
         if pod:
-            doc = _ask(run_dir, {"command": "pod", "pod": pod, "dest": dest})["pod"]
+            doc = _ask(run_dir, {"command": "pod", "pod": pod, "dest": dest, "from": from_,
+                                 "port": port})["pod"]
         else:
             doc = _ask(run_dir, {"command": "status"})["status"]
     except LookupError as e:

@@ -10,10 +10,13 @@ Calico (0xffff0000) and Cilium (0x0f00) marks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 CAPTURE_PORT = 15001
 MESH_PORT = 18081
+# Where a pod selected by an AuthorizationPolicy has its plaintext inbound judged (#41)
+JUDGE_PORT = 15006
 PASSTHROUGH_MARK = 0xAE
 PASSTHROUGH_MARK_MASK = 0xFF
 DEFAULT_RUN_DIR = "/var/run/aether"
@@ -37,6 +40,23 @@ class PeerProxy:
     def set(self, value: tuple[str, int] | None) -> None:
         with self._lock:
             self._value = value
+
+
+class AuthzSelection:
+    """Whether an AuthorizationPolicy selects a pod (namespace, labels): such a pod has its
+    plaintext inbound steered to the proxy to be judged, even PERMISSIVE. Set once the mesh
+    runtime holds the policies; shared by reference like ``PeerProxy``, so the ADD, the live
+    enrollment pass and the repair loop decide alike."""
+
+    def __init__(self) -> None:
+        self._selects: Callable[[str, Mapping[str, str]], bool] | None = None
+
+    def set(self, selects: Callable[[str, Mapping[str, str]], bool] | None) -> None:
+        self._selects = selects
+
+    def selects(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        fn = self._selects
+        return bool(fn(namespace, labels)) if fn is not None else False
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,9 @@ class NodeConfig:
     node_addresses: tuple[str, ...] = ()
     # Where captured pods accept the mesh hop (mTLS, the destination port in SNI).
     inbound_port: int = 15008
+    # Where the proxy judges the plaintext inbound of pods an AuthorizationPolicy selects
+    judge_port: int = JUDGE_PORT
+    authz: AuthzSelection = field(default_factory=AuthzSelection, compare=False, hash=False)
 
     @property
     def cni_socket(self) -> str:

@@ -17,10 +17,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
+from agent.authz.index import PolicyIndex
+from agent.authz.policy import DEFAULT_ROOT_NAMESPACE, Policy
+from agent.authz.policy import KIND as AUTHZ_KIND
 from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
+from agent.ids import pod_key
 from agent.scope.model import REMOTE_POD_KIND, MeshModel, ServiceView
 from agent.scope.route_tables import GammaResult, build_tables
 from agent.scope.routes import Route
@@ -55,8 +59,16 @@ class MeshRuntime:
     def __init__(self, node: NodeConfig, *, mesh_domain: str = "aether.internal",
                  trust_domain: str = "cluster.local", scope_all: bool = False,
                  learn_ttl: float = 600.0, debounce_s: float = 0.05,
-                 controller_name: str = "aether.io/mesh") -> None:
+                 controller_name: str = "aether.io/mesh",
+                 root_namespace: str = DEFAULT_ROOT_NAMESPACE) -> None:
         self.controller_name = controller_name
+        # AuthorizationPolicies (agent.authz), applied to this node's pods at each publish
+        self.authz = PolicyIndex(root_namespace)
+        # a policy that cannot be read: (namespace, name, why) → a Kubernetes Event on it
+        self.on_policy_problem: Callable[[str, str, str], None] | None = None
+        # the local pods some policy selects, after a publish that changed them
+        self.on_authz_selection: Callable[[frozenset[str]], None] | None = None
+        self._selected: frozenset[str] = frozenset()
         self.gamma: GammaResult | None = None  # the last one, reused while the tables are equal
         self.objects = ObjectStore()
         self.model = MeshModel(mesh_domain, trust_domain, node.node_name, node=node,
@@ -122,11 +134,58 @@ class MeshRuntime:
     def _on_event(self, event: WatchEvent) -> None:
         if event.kind == "EndpointSlice" and is_projected(event.obj):
             return  # our own projection: output only, never registry input (feedback loop)
+        if event.kind == AUTHZ_KIND:
+            self._on_policy(event)
+            return
         try:
             if self.model.apply(event):
                 self._changed()
+            elif event.kind == "Pod" and len(self.authz) and self._is_local(event.obj):
+                self._dirty.set()  # its labels may select other policies now
         except Exception:  # a malformed object must never take the agent down
             log.exception("mesh model rejected %s %s", event.type, event.kind)
+
+    def _is_local(self, obj: dict[str, Any]) -> bool:
+        meta = obj.get("metadata") or {}
+        return self.model.registry.is_local(
+            pod_key(str(meta.get("namespace") or "default"), str(meta.get("name") or "")))
+
+    def _on_policy(self, event: WatchEvent) -> None:
+        meta = event.obj.get("metadata") or {}
+        ns, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+        if event.type == "DELETED":
+            if self.authz.remove(ns, name):
+                log.info("authorization policy %s/%s removed", ns, name)
+                self._dirty.set()
+            return
+        policy = self.authz.upsert(event.obj)
+        if policy is None:
+            return
+        self._dirty.set()
+        if policy.error is None:
+            log.info("authorization policy %s (%s, %d rule(s))", policy.key, policy.action,
+                     len(policy.rules))
+            return
+        log.error("authorization policy %s cannot be read (%s); enforced fail closed: %s",
+                  policy.key, policy.error,
+                  "it matches every request" if policy.action == "DENY"
+                  else "it selects its pods and matches nothing")
+        if self.on_policy_problem is not None:
+            try:
+                self.on_policy_problem(ns, name, policy.error)
+            except Exception:  # an Event is best effort; the policy is enforced anyway
+                log.exception("reporting the policy problem of %s failed", policy.key)
+
+    def authz_by_pod(self) -> dict[str, tuple[Policy, ...]]:
+        """The policies selecting each of this node's pods (pod key → policies; none: absent)."""
+        if not len(self.authz):
+            return {}
+        out = {}
+        for key, ns, labels in self.model.local_pod_labels():
+            chosen = self.authz.for_pod(ns, labels)
+            if chosen:
+                out[key] = chosen
+        return out
 
     def pod_captured(self, pod: CapturedPod, labels: dict[str, str],
                      annotations: dict[str, str]) -> None:
@@ -220,7 +279,21 @@ class MeshRuntime:
             return
         t0 = time.monotonic()
         views = self.model.in_scope_services()
+        by_pod = self.authz_by_pod()
+        set_authz = getattr(self.sink, "set_authz", None)
+        if callable(set_authz):  # the pods' policies ride the same publish
+            set_authz(by_pod)
         self.sink.set_services(views, self.compute_gamma(), self.model.learnable_targets())
+        selected = frozenset(by_pod)
+        if selected != self._selected and self.on_authz_selection is not None:
+            # after the publish: a pod's judging listener is sent before its rules steer
+            # plaintext to it (in between, plaintext is refused, never let through)
+            try:
+                self.on_authz_selection(selected)
+                self._selected = selected
+            except Exception:
+                log.exception("re-programming the pods a policy selects failed; will retry")
+                self._dirty.set()
         self.pushes += 1
         self.last_push_s = time.monotonic() - t0
 

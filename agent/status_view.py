@@ -209,6 +209,25 @@ def render(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _render_authz(a: dict[str, Any]) -> list[str]:
+    policies = a.get("policies") or []
+    if not policies:
+        return ["  authorization: no policy selects it (every caller allowed)"]
+    lines = [f"  authorization: {len(policies)} polic{'y' if len(policies) == 1 else 'ies'}"
+             + (" · plaintext inbound judged" if a.get("plaintext_judged") else "")]
+    for pol in policies:
+        lines.append(f"    {pol['policy']:<32} {pol['action']:<6} {pol['rules']} rule(s)"
+                     + (f"  UNREADABLE: {pol['error']}" if pol.get("error") else ""))
+        lines += [f"      L4: {note}" for note in pol.get("l4") or []]
+    f = a.get("from")
+    if f:
+        port = f" port {f['port']}" if f.get("port") else ""
+        lines.append(f"  from {f['caller']}{port}: {'ALLOWED' if f['allowed'] else 'DENIED'}"
+                     f" ({f['reason']})"
+                     + (f", audited by {', '.join(f['audited'])}" if f.get("audited") else ""))
+    return lines
+
+
 def render_pod(p: dict[str, Any]) -> str:
     lines = [
         f"pod {p['pod']} ({p['mode']}, {p['reason']})",
@@ -221,6 +240,7 @@ def render_pod(p: dict[str, Any]) -> str:
         lines.append(f"  annotation problem: {prob}")
     if p.get("dest"):
         lines.append(f"  {p['dest']['address']} → {p['dest']['verdict']}")
+    lines += _render_authz(p.get("authorization") or {})
     if p.get("rules"):
         lines.append("")
         lines.append(str(p["rules"]).rstrip())

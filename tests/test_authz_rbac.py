@@ -32,24 +32,28 @@ POLICIES = [
 ]
 
 
-def test_one_filter_per_action_in_istios_order() -> None:
-    net = network_rbac_filters(POLICIES)
-    assert [f.rules.action for f in net] == [rbac_pb2.RBAC.DENY, rbac_pb2.RBAC.ALLOW,
-                                             rbac_pb2.RBAC.LOG]
-    deny = net[0].rules.policies
+def test_one_filter_per_deny_and_audit_policy_one_for_the_allows_in_istios_order() -> None:
+    net = network_rbac_filters(POLICIES, scope="c1")
+    assert [f.rules.action for f in net] == [rbac_pb2.RBAC.DENY, rbac_pb2.RBAC.DENY,
+                                             rbac_pb2.RBAC.ALLOW, rbac_pb2.RBAC.LOG]
+    # each filter's stats name the pod and the policy (its index) or the ALLOW set
+    assert [f.stat_prefix for f in net] == [
+        "aether_authz.c1.deny.1.", "aether_authz.c1.deny.4.", "aether_authz.c1.allow.any.",
+        "aether_authz.c1.audit.3."]
     # L4: the DENY's HTTP-only fields are dropped (it covers the whole port); the unreadable
     # DENY matches everything
-    assert deny["app/deny-admin[0]"].permissions[0].any
-    assert deny["app/broken"].principals[0].any
+    assert net[0].rules.policies["app/deny-admin[0]"].permissions[0].any
+    assert net[1].rules.policies["app/broken"].principals[0].any
     # L4: the ALLOW needing a method matches nothing there (no policy rendered for it)
-    assert set(net[1].rules.policies) == {"app/allow-a[0]"}
-    src = net[1].rules.policies["app/allow-a[0]"].principals
+    assert set(net[2].rules.policies) == {"app/allow-a[0]"}
+    src = net[2].rules.policies["app/allow-a[0]"].principals
     first = src[0].and_ids.ids
     assert first[0].authenticated.principal_name.exact == "spiffe://cluster.local/ns/app/sa/a"
     assert first[1].not_id.direct_remote_ip.address_prefix == "10.9.0.0"
     assert "ns/other[^/]*/sa" in src[1].authenticated.principal_name.safe_regex.regex
     http = http_rbac_filters(POLICIES)
-    assert set(http[1].rules.policies) == {"app/allow-a[0]", "app/get-only[0]"}
+    assert set(http[2].rules.policies) == {"app/allow-a[0]", "app/get-only[0]"}
+    assert http[2].rules_stat_prefix == "aether_authz.allow.any."
 
 
 def test_an_allow_without_rules_renders_a_filter_that_denies_all() -> None:

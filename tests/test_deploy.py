@@ -85,6 +85,7 @@ def test_hand_render_matches_kubectl_when_present():
         ("Role", "aether-agent"), ("RoleBinding", "aether-agent"),
         ("ConfigMap", "aether-agent-config"), ("DaemonSet", "aether-agent"),
         ("CustomResourceDefinition", "meshpods.aether.io"),
+        ("CustomResourceDefinition", "authorizationpolicies.security.aether.io"),
     }
     rendered = render_with_kubectl()
     if rendered is not None:

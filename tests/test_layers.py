@@ -4,7 +4,7 @@ agent module they import (anywhere in the file, lazy imports included).
 Layers, top to bottom, each importing only its own and lower ones: the entry points (the
 CLI, the demo), the composition that wires the agent together (``agent.app``, the mesh
 runtime, uninstall), the edges (netns, nftables, Envoy, gRPC, the API, files), and the pure
-core. Pure: capture rules and policy, the mesh model (scope), the xDS resource builders, GAMMA
+core. Pure: capture rules and policy, authorization policies (authz), the mesh model (scope), the xDS resource builders, GAMMA
 conditions and ownership, the EndpointSlice projection, the conflist editor, the source's
 plain records, the node config. They are tested without root because nothing in them can
 reach a socket, a namespace, Envoy or the API; this test keeps it that way.
@@ -29,10 +29,10 @@ PURE = (
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
     "agent.meshpods.record", "agent.slices.project", "agent.source.model",
     "agent.envoy.golden", "agent.source.base", "agent.source.objects", "agent.workload",
-    "agent.ids", "agent.source.packed",
+    "agent.ids", "agent.source.packed", "agent.envoy.judge",
 ) + tuple(  # every module of the pure packages, the ones added later included
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
-    for pkg in ("capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))
+    for pkg in ("authz", "capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))
     if p.name != "__init__.py")
 IO = frozenset({"kubernetes", "grpc", "nftables", "psutil", "pyroute2", "urllib3", "subprocess",
                 "socket", "ctypes", "fcntl", "select", "signal", "multiprocessing", "shutil",

@@ -348,3 +348,30 @@ def decide(policies: Sequence[Policy], req: Request) -> Decision:
         if policy_matches(p, req):
             return Decision(True, f"allowed by {p.key}", p.key, audited)
     return Decision(False, "no ALLOW policy matched", None, audited)
+
+
+def l4_notes(policy: Policy) -> list[str]:
+    """How ``policy`` is enforced where there are no HTTP attributes (an L4 port, a
+    plaintext caller judged, an undeclared port before its detection), when that differs
+    from its text: what ``aether-agent status`` reports."""
+    if policy.error is not None:
+        return [f"unreadable ({policy.error}): " + (
+            "matches every connection" if policy.action == DENY else
+            "selects its pods and matches nothing" if policy.action == ALLOW else "ignored")]
+    out = []
+    for i, r in enumerate(policy.rules):
+        if not any(o.needs_http for o in r.operations):
+            continue
+        if policy.action == DENY:
+            out.append(f"rule {i}: on L4 ports its methods/paths/hosts are ignored and the "
+                       "rest applies (it denies the whole connection)")
+        else:
+            out.append(f"rule {i}: on L4 ports its operations naming methods/paths/hosts "
+                       "match nothing")
+    return out
+
+
+def describe(policies: Sequence[Policy]) -> list[dict[str, Any]]:
+    """The policies selecting a pod, for status: key, action, rules, problems."""
+    return [{"policy": p.key, "action": p.action, "rules": len(p.rules), "error": p.error,
+             "l4": l4_notes(p)} for p in policies]

@@ -99,7 +99,9 @@ def _path(pattern: str) -> rbac_pb2.Permission:
     return rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=_glob(pattern)))
 
 
-def operation_permission(o: Operation) -> rbac_pb2.Permission:
+def operation_permission(o: Operation, sni_port: bool = True) -> rbac_pb2.Permission:
+    """``sni_port``: the port is the hop's server name (the mTLS inbound, where the local
+    port is the inbound port); else the restored destination port (plaintext, judged)."""
     parts: list[rbac_pb2.Permission] = []
 
     def pair(yes: Sequence[rbac_pb2.Permission], no: Sequence[rbac_pb2.Permission]) -> None:
@@ -109,6 +111,8 @@ def operation_permission(o: Operation) -> rbac_pb2.Permission:
             parts.append(rbac_pb2.Permission(not_rule=_any_perm(no)))
 
     def port(p: int) -> rbac_pb2.Permission:
+        if not sni_port:
+            return rbac_pb2.Permission(destination_port=p)
         return rbac_pb2.Permission(requested_server_name=string_pb2.StringMatcher(exact=str(p)))
 
     pair([port(p) for p in o.ports], [port(p) for p in o.not_ports])
@@ -123,7 +127,8 @@ def operation_permission(o: Operation) -> rbac_pb2.Permission:
         and_rules=rbac_pb2.Permission.Set(rules=parts))
 
 
-def rbac_rules(policies: Sequence[Policy], action: str, http: bool) -> rbac_pb2.RBAC | None:
+def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bool = True
+               ) -> rbac_pb2.RBAC | None:
     """The Envoy RBAC of the ``action`` policies among ``policies``, as enforced on an HTTP
     chain (``http``) or an L4 one; None when no such policy selects the pod."""
     chosen = [p for p in policies if p.action == action]
@@ -138,30 +143,51 @@ def rbac_rules(policies: Sequence[Policy], action: str, http: bool) -> rbac_pb2.
             continue
         for i, r in enumerate(rules):
             pol = out.policies[f"{p.key}[{i}]"]
-            pol.permissions.extend([operation_permission(o) for o in r.operations]
+            pol.permissions.extend([operation_permission(o, sni_port) for o in r.operations]
                                    or [rbac_pb2.Permission(any=True)])
             pol.principals.extend([source_principal(s) for s in r.sources]
                                   or [rbac_pb2.Principal(any=True)])
     return out
 
 
-def _rules_in_order(policies: Sequence[Policy], http: bool) -> list[tuple[str, rbac_pb2.RBAC]]:
-    """(action, RBAC) of each action that has policies, in Istio's order."""
+STAT_ROOT = "aether_authz"
+ANY_ALLOW = "any"  # the tag of the one ALLOW filter (its policies are alternatives)
+
+
+def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = True
+                    ) -> list[tuple[str, str, rbac_pb2.RBAC]]:
+    """(action, tag, RBAC) of each filter, in Istio's order: one per DENY policy (so each
+    denial is counted under its policy), one for every ALLOW policy together (a request
+    must match one of them), one per AUDIT policy. The tag is the policy's index in
+    ``policies`` (``ANY_ALLOW`` for the ALLOW filter): what the stats are named by."""
     out = []
     for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, http)
-        if rules is not None:
-            out.append((action, rules))
+        if action == ALLOW:
+            groups = [(ANY_ALLOW, list(policies))]
+        else:
+            groups = [(str(i), [p]) for i, p in enumerate(policies) if p.action == action]
+        for tag, chosen in groups:
+            rules = rbac_rules(chosen, action, http, sni_port)
+            if rules is not None:
+                out.append((action, tag, rules))
     return out
 
 
-def network_rbac_filters(policies: Sequence[Policy]) -> list[net_rbac_pb2.RBAC]:
-    """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT)."""
-    return [net_rbac_pb2.RBAC(rules=rules, stat_prefix=f"authz_{action.lower()}.")
-            for action, rules in _rules_in_order(policies, http=False)]
+def stat_prefix(scope: str, action: str, tag: str) -> str:
+    """``aether_authz.<scope>.<action>.<tag>.``: a filter's stats (``agent.authz.stats``)."""
+    return ".".join(x for x in (STAT_ROOT, scope, action.lower(), tag) if x) + "."
+
+
+def network_rbac_filters(policies: Sequence[Policy], sni_port: bool = True, scope: str = ""
+                         ) -> list[net_rbac_pb2.RBAC]:
+    """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT);
+    ``scope`` (the pod's listener uid) names their stats, which are node-wide."""
+    return [net_rbac_pb2.RBAC(rules=rules, stat_prefix=stat_prefix(scope, action, tag))
+            for action, tag, rules in _rules_in_order(policies, http=False, sni_port=sni_port)]
 
 
 def http_rbac_filters(policies: Sequence[Policy]) -> list[http_rbac_pb2.RBAC]:
-    """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order."""
-    return [http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=f"authz_{action.lower()}.")
-            for action, rules in _rules_in_order(policies, http=True)]
+    """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order; their
+    stats live under the chain's HTTP connection manager's."""
+    return [http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=stat_prefix("", action, tag))
+            for action, tag, rules in _rules_in_order(policies, http=True)]

@@ -67,6 +67,12 @@ class CapturePolicy:
     # node's own addresses (kubelet probes).
     strict: bool = False
     inbound_port: int = 15008
+    # Judged (#41): an AuthorizationPolicy selects the pod and it is not STRICT. New inbound
+    # TCP connections go to the proxy's plaintext listener on ``judge_port``, which applies
+    # the policies (a plaintext caller has no identity: only ipBlocks can match it) and
+    # delivers what they allow; the same exemptions as STRICT.
+    judged: bool = False
+    judge_port: int = 15006
     node_sources_v4: tuple[str, ...] = ()
     node_sources_v6: tuple[str, ...] = ()
 
@@ -90,9 +96,11 @@ class CapturePolicy:
             **({"peer_cgroup": self.peer_cgroup, "peer_cgroup_level": self.peer_cgroup_level}
                if self.peer_cgroup else {}),
             # only for STRICT: a permissive policy keeps the hash (and table comment) it had
-            **({"strict": True, "inbound_port": self.inbound_port,
-                "node_sources_v4": list(self.node_sources_v4),
-                "node_sources_v6": list(self.node_sources_v6)} if self.strict else {}),
+            **({"strict": True, "inbound_port": self.inbound_port} if self.strict else {}),
+            **({"judged": True, "judge_port": self.judge_port} if self.judged else {}),
+            **({"node_sources_v4": list(self.node_sources_v4),
+                "node_sources_v6": list(self.node_sources_v6)}
+               if self.strict or self.judged else {}),
         }
 
     @classmethod
@@ -116,6 +124,8 @@ class CapturePolicy:
             peer_cgroup_level=int(str(data.get("peer_cgroup_level") or 0)),
             strict=bool(data.get("strict", False)),
             inbound_port=int(str(data.get("inbound_port") or 15008)),
+            judged=bool(data.get("judged", False)),
+            judge_port=int(str(data.get("judge_port") or 15006)),
             node_sources_v4=tuple(str(x) for x in data.get("node_sources_v4") or []),  # type: ignore[attr-defined]
             node_sources_v6=tuple(str(x) for x in data.get("node_sources_v6") or []),  # type: ignore[attr-defined]
         )
@@ -266,6 +276,8 @@ def decide(
             redirect_all = parsed
     strict, auth_problems = peer_authentication(ann, namespace.annotations if namespace else {})
     problems += auth_problems
+    judged = not strict and node.authz.selects(pod.namespace, pod.labels)
+    exempt = strict or judged  # the node's addresses pass (kubelet probes)
     ports, port_problems = parse_ports(ann.get(ANN_EXCLUDE_PORTS, ""))
     v4, v6, cidr_problems = parse_cidrs(ann.get(ANN_EXCLUDE_RANGES, ""))
     problems += port_problems + cidr_problems
@@ -283,8 +295,10 @@ def decide(
         **_peer_fields(node),
         strict=strict,
         inbound_port=node.inbound_port if strict else CapturePolicy.inbound_port,
-        node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if strict else (),
-        node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if strict else (),
+        judged=judged,
+        judge_port=node.judge_port if judged else CapturePolicy.judge_port,
+        node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if exempt else (),
+        node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if exempt else (),
     )
     return CaptureDecision(True, why, policy, tuple(problems))
 
@@ -305,6 +319,19 @@ def peer_authentication(pod_annotations: dict[str, str], ns_annotations: dict[st
             ANN_PEER_AUTH, raw, f"{source} annotation: expected \"permissive\" or \"strict\"; "
             "strict applies until it is fixed")]
     return False, []
+
+
+def with_judged(policy: CapturePolicy, judged: bool, node: NodeConfig) -> CapturePolicy:
+    """``policy`` with its plaintext inbound judged or not (an AuthorizationPolicy came to
+    select the pod, or stopped): what ``decide`` gives for the same pod (STRICT wins, the
+    node's current addresses exempt)."""
+    judged = judged and not policy.strict
+    exempt = policy.strict or judged
+    return replace(
+        policy, judged=judged,
+        judge_port=node.judge_port if judged else CapturePolicy.judge_port,
+        node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if exempt else (),
+        node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if exempt else ())
 
 
 def _peer_fields(node: NodeConfig) -> dict[str, Any]:

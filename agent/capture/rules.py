@@ -93,7 +93,9 @@ def render_inbound_rules(policy: CapturePolicy) -> list[str]:
     proxy's inbound listener, which serves only mesh mTLS: plaintext is closed there and
     counted (as an unauthenticated caller), never delivered. Only a new connection's SYN is
     steered (replies to the pod's own connections pass); loopback is the proxy delivering a
-    mesh connection; the node's addresses are kubelet's probes."""
+    mesh connection; the node's addresses are kubelet's probes. Judged (an
+    AuthorizationPolicy selects a PERMISSIVE pod): the same chain, to the proxy's plaintext
+    listener instead, which delivers what the policies allow."""
     rules = [
         'meta iifname "lo" return comment "loopback (the proxy delivering)"',
         f'tcp dport {policy.inbound_port} return comment "mesh hop (mTLS)"',
@@ -104,8 +106,14 @@ def render_inbound_rules(policy: CapturePolicy) -> list[str]:
     if policy.node_sources_v6:
         rules.append(f'ip6 saddr {_set(list(policy.node_sources_v6))} return '
                      'comment "the node (kubelet probes)"')
-    rules.append(f'tcp flags & (syn | ack) == syn redirect to :{policy.inbound_port} '
-                 'comment "strict: to the proxy, which accepts only mesh mTLS"')
+    if policy.strict:
+        rules.append(f'tcp flags & (syn | ack) == syn redirect to :{policy.inbound_port} '
+                     'comment "strict: to the proxy, which accepts only mesh mTLS"')
+    else:
+        rules.append(f'tcp dport {policy.judge_port} drop '
+                     'comment "the judging listener is the proxy\'s, not a caller\'s"')
+        rules.append(f'tcp flags & (syn | ack) == syn redirect to :{policy.judge_port} '
+                     'comment "judged: to the proxy, which applies the authorization policies"')
     return rules
 
 
@@ -127,7 +135,7 @@ def render_table(policy: CapturePolicy) -> str:
     """The full table definition (no replace preamble)."""
     body = "\n".join(f"\t\t{r}" for r in render_rules(policy))
     inbound = ""
-    if policy.strict:
+    if policy.strict or policy.judged:
         rules = "\n".join(f"\t\t{r}" for r in render_inbound_rules(policy))
         inbound = (f"\tchain {INBOUND_CHAIN} {{\n"
                    "\t\ttype nat hook prerouting priority -100; policy accept;\n"

@@ -299,7 +299,7 @@ class CniHandler:
             return False
         pod, namespace = looked
         decision = decide(pod, namespace, self.node, self._redirect_all_default(req.netconf))
-        if decision.policy is not None and decision.policy.strict:
+        if decision.policy is not None and (decision.policy.strict or decision.policy.judged):
             # STRICT exempts the node's addresses (kubelet probes): read them now, a bridge
             # CNI may have given the node its gateway address in this very ADD
             decision = decide(pod, namespace, self.strict_node(max_age=0.0),
@@ -416,6 +416,7 @@ class CniHandler:
             redirect_all_default=self._redirect_all_default(req.netconf),
             workload=pod.workload,
             loopback=loopback,
+            labels=dict(pod.labels),
         )
         # Recorded before the listener so a crash from here on is found and cleaned on restart.
         try:

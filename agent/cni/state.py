@@ -46,6 +46,9 @@ class CapturedPod:
     # (127.0.0.1 binds, ::1 binds) in the netns, read by the ADD's own visit there; not
     # recorded (a restarted agent reads it again)
     loopback: tuple[bool, bool] | None = field(default=None, compare=False)
+    # its labels as the ADD read them (what selects its AuthorizationPolicies before the mesh
+    # model has the pod); not recorded: a restarted agent has them from the mesh source
+    labels: dict[str, str] | None = field(default=None, compare=False)
 
     @property
     def key(self) -> PodKey:
@@ -68,7 +71,7 @@ class CapturedPod:
         return cls(**d)
 
 
-_RECORD_FIELDS = tuple(f.name for f in fields(CapturedPod) if f.name != "loopback")
+_RECORD_FIELDS = tuple(f.name for f in fields(CapturedPod) if f.name not in ("loopback", "labels"))
 
 
 @dataclass

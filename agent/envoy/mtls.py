@@ -73,6 +73,8 @@ from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
+from agent.authz.policy import Policy
+from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, http_rbac_filters, network_rbac_filters
 from agent.envoy.golden import inbound_stats_log
 from agent.envoy.http_routes import (
     HTTP_HOP_STATE,
@@ -362,7 +364,8 @@ def _http_filter(name: str, msg: object) -> hcm_pb2.HttpFilter:
 def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequence[str],
                            tls: MeshTls, ipv4: bool = True, ipv6: bool = True,
                            forbidden_ports: Sequence[int] = (),
-                           access_log: bool = False, workload: str = "") -> listener_pb2.Listener:
+                           access_log: bool = False, workload: str = "",
+                           policies: Sequence[Policy] = ()) -> listener_pb2.Listener:
     """``inbound-<uid>``: the pod's end of the mesh hop, bound on the inbound port of every
     address in its netns. Terminates mTLS (a peer certificate of the trust domain and one of
     our ALPNs required); then, by the ALPN the caller's proxy chose from the Service port's
@@ -377,7 +380,13 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
       requests detected there are counted under) with the port.
 
     The port is the server name. A server name that is one of the proxy's ports (a loop)
-    matches a closing chain; one that is not a port is refused where it is delivered."""
+    matches a closing chain; one that is not a port is refused where it is delivered.
+
+    ``policies``: the AuthorizationPolicies that select the pod (agent.authz), enforced here
+    with the peer certificate's identity: RBAC network filters ahead of the relay on the L4
+    chains (a denial closes the connection before a byte is relayed; an undeclared port is
+    judged as L4 too, its HTTP detected only past this point), HTTP RBAC ahead of the router
+    on the HTTP chain (a denial is a 403)."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
     forbidden = {str(p) for p in (tls.inbound_port, *forbidden_ports)}
@@ -387,7 +396,10 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     if not addrs:
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
     name = inbound_listener_name(uid)
-    target = _deliver_target(ips)
+    target = deliver_target(ips)
+    l4_rbac = [_network_filter(NETWORK_RBAC, f)
+               for f in network_rbac_filters(policies, scope=uid)]
+    http_rbac = [_http_filter(HTTP_RBAC, f) for f in http_rbac_filters(policies)]
 
     def match(family: str, **kw: object) -> listener_components_pb2.FilterChainMatch:
         # every chain names its destination range: Envoy narrows on the destination address
@@ -423,7 +435,7 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
             tlv.format_string.text_format_source.inline_string = fmt
         return listener_components_pb2.FilterChain(
             name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
-            filters=[state, tcp_proxy_filter(name, INBOUND_DETECT, *logs, config=tcp)],
+            filters=[state, *l4_rbac, tcp_proxy_filter(name, INBOUND_DETECT, *logs, config=tcp)],
             transport_socket=terminate())
 
     def direct_state() -> listener_components_pb2.Filter:
@@ -431,7 +443,7 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
 
     def http(family: str) -> listener_components_pb2.FilterChain:
         hcm = _deliver_hcm(f"{name}-http", "%DOWNSTREAM_LOCAL_URI_SAN%",
-                           "%DOWNSTREAM_PEER_URI_SAN%", logs)
+                           "%DOWNSTREAM_PEER_URI_SAN%", logs, http_rbac)
         return listener_components_pb2.FilterChain(
             name=f"mtls-http-v{family}",
             filter_chain_match=match(family, application_protocols=[MESH_ALPN_HTTP]),
@@ -444,8 +456,9 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         return listener_components_pb2.FilterChain(
             name=f"mtls-tcp-v{family}",
             filter_chain_match=match(family, application_protocols=[MESH_ALPN_TCP]),
-            filters=[direct_state(), tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER, *logs,
-                                                      config=after_handshake())],
+            filters=[direct_state(), *l4_rbac,
+                     tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER, *logs,
+                                      config=after_handshake())],
             transport_socket=terminate())
 
     def deny(family: str) -> listener_components_pb2.FilterChain:
@@ -475,7 +488,7 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     return lis
 
 
-def _deliver_target(ips: Sequence[str]) -> str:
+def deliver_target(ips: Sequence[str]) -> str:
     """Where mesh connections are delivered: the pod's first address (v4 when dual-stack),
     bracketed for IPv6, never an address the caller names."""
     ip = ips[0]
@@ -494,8 +507,15 @@ def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ON
     return set_filter_state(*values)
 
 
+def _network_filter(name: str, msg: object) -> listener_components_pb2.Filter:
+    f = listener_components_pb2.Filter(name=name)
+    f.typed_config.Pack(msg)
+    return f
+
+
 def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
-                 logs: Sequence[accesslog_pb2.AccessLog] = ()) -> listener_components_pb2.Filter:
+                 logs: Sequence[accesslog_pb2.AccessLog] = (),
+                 filters: Sequence[hcm_pb2.HttpFilter] = ()) -> listener_components_pb2.Filter:
     """The HTTP codec delivering to ``inbound-deliver``: every request gets
     ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's id>``, any XFCC the caller sent
     removed first."""
@@ -513,8 +533,8 @@ def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
         route_config=route_pb2.RouteConfiguration(
             name=stat_prefix, virtual_hosts=[rc.VirtualHost(
                 name="deliver", domains=["*"], routes=[route])]),
-        http_filters=[_http_filter("envoy.filters.http.router",
-                                   router_pb2.Router(suppress_envoy_headers=True))],
+        http_filters=[*filters, _http_filter("envoy.filters.http.router",
+                                             router_pb2.Router(suppress_envoy_headers=True))],
         access_log=list(logs),
     )
     # the last hop before the application: no request id to invent (the caller's passes

@@ -67,10 +67,12 @@ from envoy.type.tracing.v3 import custom_tag_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 
-from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
+from agent.authz.policy import Policy
+from agent.config import CAPTURE_PORT, JUDGE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.envoy_stats import PASSTHROUGH_STATS
 from agent.envoy.golden import SOURCE_STATE, http_stats_log, tcp_stats_log
+from agent.envoy.judge import build_judge_listener, judge_listener_name
 from agent.envoy.mtls import MeshTls
 from agent.envoy.pieces import (
     AGENT_GRPC_CLUSTER,
@@ -181,6 +183,9 @@ class PodListener:
     workload: str = ""
     # The pod's name when the golden metrics label the calling pod (--traffic-source-pods)
     source_pod: str = ""
+    # The AuthorizationPolicies that select the pod (agent.authz), enforced on its inbound
+    # mTLS listener; a change makes another PodListener, so the diff rebuilds just this pod
+    authz: tuple[Policy, ...] = ()
 
     @property
     def source(self) -> str:
@@ -1392,7 +1397,12 @@ class ResourceBuilder:
             entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
                 pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
                 forbidden_ports=(state.capture_port,), access_log=state.connection_log,
-                workload=f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}")))
+                workload=f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}",
+                policies=pod.authz)))
+        if tls is not None and pod.authz and pod.ips:
+            # its plaintext callers, steered here by its rules while a policy selects it
+            entries.append((judge_listener_name(pod.uid), build_judge_listener(
+                pod.uid, pod.netns_path, pod.ips, pod.authz, JUDGE_PORT, pod.ipv4, pod.ipv6)))
         self._pod_entries[pod] = tuple(entries)
         for name, lis in entries:
             self._pod_out[name] = lis

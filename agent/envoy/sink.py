@@ -14,10 +14,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import psutil
 
+from agent.authz.policy import Policy
 from agent.cni.state import CapturedPod
 from agent.config import NodeConfig
 from agent.envoy import watchdog
@@ -148,6 +150,12 @@ class EnvoySink:
                                           cgroup=cgroup)
         self.tailer = LogTailer(self.log_path, logging.getLogger("envoy"))
         self._pods: dict[str, PodListener] = {}
+        # AuthorizationPolicies (agent.authz): the ones selecting each pod (by pod key) as
+        # the mesh last published them, and the resolver an ADD asks with the pod's labels
+        # (so its first listener already enforces them)
+        self._authz: dict[str, tuple[Policy, ...]] = {}
+        self._pod_keys: dict[str, str] = {}  # container id -> pod key
+        self.authz_for: Callable[[str, dict[str, str]], tuple[Policy, ...]] | None = None
         self.xds.inbound.resolve = self._identity_of_listener
         # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
         self._rejected: dict[str, str] = {}
@@ -186,6 +194,7 @@ class EnvoySink:
                                 "both families until reconcile settles it", pod.key, e)
                     self._pods[pod.container_id] = _listener_of(
                         pod, source_pods=self.traffic_source_pods)
+                self._pod_keys[pod.container_id] = pod.key
                 if self.identity is not None:
                     self.identity.attach(self._pods[pod.container_id].identity, pod.key)
 
@@ -593,6 +602,9 @@ class EnvoySink:
             listener = pod_listener(pod, self.traffic_source_pods)
         except (NoLoopback, NetnsError, OSError, TimeoutError) as e:
             raise ListenerNotConfirmed(f"cannot read the loopback of {pod.key}: {e}") from e
+        listener = replace(listener, authz=self._policies_of(pod))
+        with self._lock:
+            self._pod_keys[pod.container_id] = pod.key
         if self.identity is not None:
             # issued before the listeners that name it: Envoy gets the secret first
             self.identity.attach(listener.identity, pod.key)
@@ -602,6 +614,34 @@ class EnvoySink:
             return
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id,
                       started, pushed)
+
+    def _policies_of(self, pod: CapturedPod) -> tuple[Policy, ...]:
+        """The policies selecting ``pod`` at its ADD: from its labels when the ADD read them,
+        else as the mesh last published them."""
+        resolve = self.authz_for
+        if pod.labels is not None and resolve is not None:
+            return resolve(pod.namespace, pod.labels)
+        with self._lock:
+            return self._authz.get(pod.key, ())
+
+    def set_authz(self, by_pod: dict[str, tuple[Policy, ...]]) -> int:
+        """The policies selecting each local pod (pod key → policies; absent: none), applied
+        at the next publish (``set_services`` follows). Returns how many pods changed."""
+        changed = 0
+        with self._lock:
+            self._authz = by_pod
+            for cid, lis in list(self._pods.items()):
+                want = by_pod.get(self._pod_keys.get(cid, ""), ())
+                if lis.authz != want:
+                    self._pods[cid] = replace(lis, authz=want)
+                    changed += 1
+        return changed
+
+    def authz_of(self, container_id: str) -> tuple[Policy, ...]:
+        """What the pod's inbound listener enforces now (status)."""
+        with self._lock:
+            lis = self._pods.get(container_id)
+            return lis.authz if lis is not None else ()
 
     def _publish_shared(self, container_id: str, listener: PodListener,
                         deadline: float | None = None) -> tuple[str, float]:
@@ -754,6 +794,7 @@ class EnvoySink:
         socket Envoy still holds only keeps the dead pod's netns alive, it captures nothing."""
         with self._lock:
             self._rejected.pop(pod.container_id, None)
+            self._pod_keys.pop(pod.container_id, None)
             gone = self._pods.pop(pod.container_id, None)
             if gone is None:
                 return

@@ -304,6 +304,11 @@ class MeshModel:
             )
             return self._finish(svcs | self._after_pods(pods))
 
+    def local_pod_labels(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(pod key, namespace, labels) of this node's pods: what selects their policies."""
+        with self._lock:
+            return [(r.key, r.namespace, r.labels) for r in self.registry.local()]
+
     def try_lock(self, timeout: float) -> bool:
         """Hold the model (re-entrant) if it is free within `timeout`: the CNI path registers
         a pod only when that does not mean waiting behind a big re-evaluation."""

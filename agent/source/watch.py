@@ -41,6 +41,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from agent.authz.policy import API_VERSION as AUTHZ_API_VERSION
+from agent.authz.policy import KIND as AUTHZ_KIND
 from agent.backoff import backoff_delay
 from agent.heap import listing
 from agent.kube import KubeConfigError, abandon, api_client, done
@@ -88,6 +90,9 @@ KIND_SPECS: dict[str, KindSpec] = {
                  "/apis/gateway.networking.x-k8s.io/v1alpha1/xbackendtrafficpolicies"),
         KindSpec("BackendLBPolicy", "gateway.networking.k8s.io/v1alpha2",
                  "/apis/gateway.networking.k8s.io/v1alpha2/backendlbpolicies"),
+        # who may call whom (agent.authz): enforced at this node's inbound listeners
+        KindSpec(AUTHZ_KIND, AUTHZ_API_VERSION,
+                 f"/apis/{AUTHZ_API_VERSION}/authorizationpolicies"),
         # remote nodes' pods, as their agents publish them (agent.meshpods)
         KindSpec(MESHPOD_KIND, MESHPOD_API_VERSION, f"/apis/{MESHPOD_API_VERSION}/{PLURAL}"),
     )

@@ -71,6 +71,7 @@ RESOURCES: tuple[Resource, ...] = (
     Resource("coordination.k8s.io", "v1", "leases", "Lease"),
     Resource("apps", "v1", "daemonsets", "DaemonSet", status=True),
     Resource("aether.io", "v1alpha1", "meshpods", "MeshPod"),
+    Resource("security.aether.io", "v1alpha1", "authorizationpolicies", "AuthorizationPolicy"),
 )
 
 _REASONS = {
