@@ -294,6 +294,14 @@ class _EnvoyTrafficCollector(Collector):
         for name, n in sorted(figures["active"].items()):
             svc.add_metric(name.split("/", 1), float(n))
         yield svc
+        authz = CounterMetricFamily(
+            "aether_authz_decisions", "AuthorizationPolicy decisions at this node's inbound, "
+            "by destination workload: a DENY policy's denials (policy named), the ALLOW "
+            "policies' allow/deny (policy *), an AUDIT policy's matches (decision audit).",
+            labels=["dst_namespace", "dst_workload", "policy", "action", "decision"])
+        for labels, n in sorted((figures.get("authz") or {}).items()):
+            authz.add_metric(list(labels), float(n))
+        yield authz
 
 
 class Metrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -302,6 +303,17 @@ def test_audit_never_denies_and_a_malformed_policy_is_reported_while_others_hold
     until(lambda: w.get(w.c)[0] == 403, "the DENY did not apply within 5 s")
     assert w.get(w.b)[0] == 200 and w.echo(w.b) == b"ping"  # audited, not denied
     assert w.get(w.a)[0] == 200
+    # counted: b's calls audited under watch-b, c's denied under deny-c (the server's
+    # workload is its pod name here: no owner)
+    def count(policy_: str, action: str, decision: str) -> float:
+        text = w.node.agent.http("/metrics")[1]
+        labels = (f'action="{action}",decision="{decision}",dst_namespace="app",'
+                  f'dst_workload="server",policy="{policy_}"')
+        m = re.search(r"aether_authz_decisions_total\{" + re.escape(labels) + r"\} (\S+)", text)
+        return float(m.group(1)) if m else -1.0
+    until(lambda: count("app/watch-b", "AUDIT", "audit") >= 2, "b's calls were not audited")
+    until(lambda: count("app/deny-c", "DENY", "deny") >= 1, "c's denial was not counted")
+    assert count("*", "ALLOW", "deny") == -1.0  # no ALLOW policy selects the server
     logs = until(lambda: "ALOW" in w.node.agent.logs() and w.node.agent.logs(),
                  "the malformed policy was not reported")
     line = next(json.loads(ln) for ln in logs.splitlines()

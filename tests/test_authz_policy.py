@@ -121,3 +121,15 @@ def test_selection_by_namespace_labels_and_root() -> None:
     assert not selects(ALLOW_A, "other", {"app": "web"})
     mesh_wide = _p("mesh", {"action": "DENY"}, ns="aether-system")
     assert selects(mesh_wide, "anything", {}) and not selects(ALLOW_OTHER_NS, "other", {})
+
+
+def test_an_unreadable_policy_still_selects_only_its_own_workloads() -> None:
+    from agent.authz.policy import parse_policy, selects
+    p = parse_policy({"metadata": {"name": "x", "namespace": "app"}, "spec": {
+        "selector": {"matchLabels": {"app": "web"}}, "action": "ALOW"}})
+    assert p.error and p.selector == (("app", "web"),)
+    assert selects(p, "app", {"app": "web"}) and not selects(p, "app", {"app": "db"})
+    # a selector it cannot read: every pod of the namespace (fail closed)
+    q = parse_policy({"metadata": {"name": "y", "namespace": "app"}, "spec": {
+        "selector": {"matchExpressions": []}}})
+    assert q.error and q.selector is None and selects(q, "app", {"app": "db"})

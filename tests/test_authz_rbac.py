@@ -34,8 +34,11 @@ POLICIES = [
 
 def test_one_filter_per_deny_and_audit_policy_one_for_the_allows_in_istios_order() -> None:
     net = network_rbac_filters(POLICIES, scope="c1")
-    assert [f.rules.action for f in net] == [rbac_pb2.RBAC.DENY, rbac_pb2.RBAC.DENY,
-                                             rbac_pb2.RBAC.ALLOW, rbac_pb2.RBAC.LOG]
+    assert [f.rules.action for f in net[:3]] == [rbac_pb2.RBAC.DENY, rbac_pb2.RBAC.DENY,
+                                                 rbac_pb2.RBAC.ALLOW]
+    # AUDIT: shadow ALLOW rules, nothing enforced, a match counted as shadow_allowed
+    assert not net[3].HasField("rules") and set(net[3].shadow_rules.policies) == {
+        "app/watch[0]"}
     # each filter's stats name the pod and the policy (its index) or the ALLOW set
     assert [f.stat_prefix for f in net] == [
         "aether_authz.c1.deny.1.", "aether_authz.c1.deny.4.", "aether_authz.c1.allow.any.",

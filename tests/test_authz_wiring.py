@@ -155,3 +155,33 @@ def test_the_judging_listener_applies_l4_rules_by_destination_port() -> None:
     lis.filter_chains[0].filters[1].typed_config.Unpack(rbac)
     perm = rbac.rules.policies["app/ports[0]"].permissions[0]
     assert perm.destination_port == 8080
+
+
+def test_rbac_counters_become_decisions_per_workload_and_policy() -> None:
+    from agent.authz.stats import Decisions, decisions
+    deny = parse_policy(_obj("deny-c", spec={"action": "DENY", "rules": [{}]}))
+    audit = parse_policy(_obj("watch", spec={"action": "AUDIT", "rules": [{}]}))
+    allow = parse_policy(ALLOW_A)
+    pols = (deny, audit, allow)
+    stats = [
+        ("aether_authz.u1.deny.0.rbac.denied", 2),
+        ("aether_authz.u1.deny.0.rbac.allowed", 9),  # passed the DENY: not a decision
+        ("http.inbound-u1-http.rbac.aether_authz.deny.0.denied", 3),
+        ("aether_authz.u2.deny.0.rbac.denied", 1),  # another pod of the same workload
+        ("http.inbound-u1-http.rbac.aether_authz.audit.1.shadow_allowed", 4),
+        ("http.inbound-u1-http.rbac.aether_authz.audit.1.shadow_denied", 7),
+        ("aether_authz.u1.allow.any.rbac.allowed", 5),
+        ("aether_authz.u1.allow.any.rbac.denied", 6),
+        ("aether_authz.gone.deny.0.rbac.denied", 50),  # a pod no longer here
+        ("tcp.other.stat", 1),
+    ]
+    pods = {"u1": ("app", "server", pols), "u2": ("app", "server", pols)}
+    got = decisions(stats, pods)
+    assert got[Decisions("app", "server", "app/deny-c", "DENY", "deny")] == 6
+    assert got[Decisions("app", "server", "app/watch", "AUDIT", "audit")] == 4
+    assert got[Decisions("app", "server", "*", "ALLOW", "allow")] == 5
+    assert got[Decisions("app", "server", "*", "ALLOW", "deny")] == 6
+    assert len(got) == 4
+    # a policy is there from the start, at zero
+    assert decisions([], {"u1": ("app", "server", (deny,))}) == {
+        Decisions("app", "server", "app/deny-c", "DENY", "deny"): 0}

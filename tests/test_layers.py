@@ -4,10 +4,11 @@ agent module they import (anywhere in the file, lazy imports included).
 Layers, top to bottom, each importing only its own and lower ones: the entry points (the
 CLI, the demo), the composition that wires the agent together (``agent.app``, the mesh
 runtime, uninstall), the edges (netns, nftables, Envoy, gRPC, the API, files), and the pure
-core. Pure: capture rules and policy, authorization policies (authz), the mesh model (scope), the xDS resource builders, GAMMA
-conditions and ownership, the EndpointSlice projection, the conflist editor, the source's
-plain records, the node config. They are tested without root because nothing in them can
-reach a socket, a namespace, Envoy or the API; this test keeps it that way.
+core. Pure: capture rules and policy, authorization policies (authz), the mesh model
+(scope), the xDS resource builders, GAMMA conditions and ownership, the EndpointSlice
+projection, the conflist editor, the source's plain records, the node config. They are
+tested without root because nothing in them can reach a socket, a namespace, Envoy or the
+API; this test keeps it that way.
 """
 
 from __future__ import annotations

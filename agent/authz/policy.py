@@ -213,12 +213,7 @@ def parse_policy(obj: Mapping[str, Any]) -> Policy:
     try:
         if not isinstance(spec, dict):
             raise PolicyError("spec: expected an object")
-        _check_fields(spec, _SPEC_FIELDS, "spec")
-        raw_action = spec.get("action", ALLOW)
-        if raw_action not in ACTIONS:
-            action = DENY if raw_action == "CUSTOM" else ALLOW
-            raise PolicyError(f"spec.action {raw_action!r}: expected one of {', '.join(ACTIONS)}")
-        action = str(raw_action)
+        # the selector first: an unreadable policy still selects only its own workloads
         sel = spec.get("selector")
         if sel is not None:
             if not isinstance(sel, dict) or set(sel) - {"matchLabels"} or not isinstance(
@@ -226,6 +221,12 @@ def parse_policy(obj: Mapping[str, Any]) -> Policy:
                 raise PolicyError("spec.selector: only matchLabels is supported")
             selector = tuple(sorted((str(k), str(v))
                                     for k, v in (sel.get("matchLabels") or {}).items()))
+        _check_fields(spec, _SPEC_FIELDS, "spec")
+        raw_action = spec.get("action", ALLOW)
+        if raw_action not in ACTIONS:
+            action = DENY if raw_action == "CUSTOM" else ALLOW
+            raise PolicyError(f"spec.action {raw_action!r}: expected one of {', '.join(ACTIONS)}")
+        action = str(raw_action)
         rules = []
         for i, r in enumerate(_list(spec.get("rules"), "spec.rules")):
             where = f"spec.rules[{i}]"

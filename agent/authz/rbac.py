@@ -3,8 +3,9 @@
 Pure: plain Policy values in, protos out. The principal comes only from the verified peer
 certificate (``authenticated.principal_name``, the URI SAN), never from a header; the port
 is the inbound hop's server name (the caller's proxy names the target port there). One
-filter per action, in Istio's order: DENY, then ALLOW (present whenever an ALLOW policy
-selects the pod: with no policy matching it denies), then AUDIT as Envoy's LOG action.
+filter per DENY policy, one for the ALLOW policies together (present whenever an ALLOW policy
+selects the pod: with no policy matching it denies), one per AUDIT policy as shadow rules
+(counted, never enforced), in Istio's order.
 """
 
 from __future__ import annotations
@@ -178,16 +179,35 @@ def stat_prefix(scope: str, action: str, tag: str) -> str:
     return ".".join(x for x in (STAT_ROOT, scope, action.lower(), tag) if x) + "."
 
 
+def _audit_as_shadow(rules: rbac_pb2.RBAC) -> rbac_pb2.RBAC:
+    """AUDIT as shadow ALLOW rules: nothing enforced, a match counted as
+    ``shadow_allowed`` (Envoy's LOG action counts every request as allowed, matched or not)."""
+    shadow = rbac_pb2.RBAC()
+    shadow.CopyFrom(rules)
+    shadow.action = rbac_pb2.RBAC.ALLOW
+    return shadow
+
+
 def network_rbac_filters(policies: Sequence[Policy], sni_port: bool = True, scope: str = ""
                          ) -> list[net_rbac_pb2.RBAC]:
     """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT);
     ``scope`` (the pod's listener uid) names their stats, which are node-wide."""
-    return [net_rbac_pb2.RBAC(rules=rules, stat_prefix=stat_prefix(scope, action, tag))
-            for action, tag, rules in _rules_in_order(policies, http=False, sni_port=sni_port)]
+    out = []
+    for action, tag, rules in _rules_in_order(policies, http=False, sni_port=sni_port):
+        prefix = stat_prefix(scope, action, tag)
+        out.append(net_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules), stat_prefix=prefix)
+                   if action == AUDIT else net_rbac_pb2.RBAC(rules=rules, stat_prefix=prefix))
+    return out
 
 
 def http_rbac_filters(policies: Sequence[Policy]) -> list[http_rbac_pb2.RBAC]:
     """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order; their
     stats live under the chain's HTTP connection manager's."""
-    return [http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=stat_prefix("", action, tag))
-            for action, tag, rules in _rules_in_order(policies, http=True)]
+    out = []
+    for action, tag, rules in _rules_in_order(policies, http=True):
+        prefix = stat_prefix("", action, tag)
+        out.append(http_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules),
+                                      shadow_rules_stat_prefix=prefix)
+                   if action == AUDIT else
+                   http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=prefix))
+    return out

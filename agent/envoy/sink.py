@@ -465,6 +465,7 @@ class EnvoySink:
                     pods, views = tuple(self._pods.values()), self._services
                 resolve = golden.service_resolver(views, pods)
             figures["golden"] = self.golden_fold.snapshot(series, resolve)
+            figures["authz"] = self._authz_decisions()
             self._envoy_traffic = (time.monotonic(), figures)
             return figures
 
@@ -474,9 +475,10 @@ class EnvoySink:
         return golden
 
     def envoy_figures(self) -> dict[str, Any]:
-        """Passthrough by destination class and open connections per Service."""
-        figures: dict[str, Any] = self.envoy_traffic()["envoy"]
-        return figures
+        """Passthrough by destination class, open connections per Service and the
+        AuthorizationPolicy decisions (``authz``)."""
+        traffic = self.envoy_traffic()
+        return {**traffic["envoy"], "authz": traffic.get("authz") or {}}
 
     def ready(self) -> bool:
         from agent.envoy.supervisor import admin_request
@@ -636,6 +638,27 @@ class EnvoySink:
                     self._pods[cid] = replace(lis, authz=want)
                     changed += 1
         return changed
+
+    def _authz_decisions(self) -> dict[Any, int]:
+        """``agent.authz.stats.decisions`` over Envoy's RBAC counters (empty when no policy
+        selects a pod here: nothing asked of Envoy)."""
+        import json
+        import urllib.parse
+
+        from agent.authz import stats
+        from agent.envoy.supervisor import admin_request
+        with self._lock:
+            pods = {lis.uid: (lis.namespace, lis.workload or lis.uid, lis.authz)
+                    for lis in self._pods.values() if lis.authz}
+        if not pods:
+            return {}
+        path = "/stats?format=json&filter=" + urllib.parse.quote(stats.STATS_FILTER)
+        code, body = admin_request(self.admin, "GET", path, timeout=1.0)
+        if code != 200:
+            raise ValueError(f"envoy admin answered {code} for its RBAC stats")
+        doc = json.loads(body)
+        return stats.decisions(((str(s.get("name")), int(s.get("value") or 0))
+                                for s in doc.get("stats") or [] if "value" in s), pods)
 
     def authz_of(self, container_id: str) -> tuple[Policy, ...]:
         """What the pod's inbound listener enforces now (status)."""

@@ -1,0 +1,76 @@
+"""Envoy's RBAC counters → ``aether_authz_decisions_total`` (#41). Pure.
+
+The inbound filters (``agent.authz.rbac``) name their stats by the pod's listener uid, the
+action and a tag (the policy's index among the pod's, or ``any`` for the ALLOW set):
+
+* network (L4 chains, the judging listener): ``aether_authz.<uid>.<action>.<tag>.rbac.<r>``
+* HTTP: ``http.inbound-<uid>-http.rbac.aether_authz.<action>.<tag>.<r>``
+
+A decision is counted where it was taken: a DENY policy's ``denied`` (``deny`` under that
+policy), the ALLOW set's ``allowed``/``denied`` (under ``*``: Envoy does not say which ALLOW
+matched), an AUDIT policy's ``shadow_allowed`` (``audit``). Pods are summed into their
+workload, so the series are bounded by workloads × the policies that select them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from agent.authz.policy import Policy
+from agent.authz.rbac import ANY_ALLOW
+
+_NET = re.compile(r"^aether_authz\.(?P<uid>[^.]+)\.(?P<action>deny|allow|audit)\."
+                  r"(?P<tag>[^.]+)\.rbac\.(?P<result>[a-z_]+)$")
+_HTTP = re.compile(r"^http\.inbound-(?P<uid>[^.]+)-http\.rbac\.aether_authz\."
+                   r"(?P<action>deny|allow|audit)\.(?P<tag>[^.]+)\.(?P<result>[a-z_]+)$")
+STATS_FILTER = r"aether_authz\."
+
+
+class Decisions(NamedTuple):
+    dst_namespace: str
+    dst_workload: str
+    policy: str
+    action: str
+    decision: str
+
+
+_COUNTED = {("deny", "denied"): "deny", ("allow", "allowed"): "allow",
+            ("allow", "denied"): "deny", ("audit", "shadow_allowed"): "audit"}
+
+
+def decisions(stats: Iterable[tuple[str, int]],
+              pods: Mapping[str, tuple[str, str, Sequence[Policy]]]) -> dict[Decisions, int]:
+    """``stats``: (name, value) of Envoy's counters; ``pods``: listener uid → (namespace,
+    workload, the policies its filters were rendered from). A pod gone since (its stats
+    outlive it until Envoy drops them) is not counted."""
+    out: dict[Decisions, int] = {}
+    for name, value in stats:
+        m = _NET.match(name) or _HTTP.match(name)
+        if m is None:
+            continue
+        decision = _COUNTED.get((m["action"], m["result"]))
+        pod = pods.get(m["uid"])
+        if decision is None or pod is None:
+            continue
+        ns, workload, policies = pod
+        tag = m["tag"]
+        if tag == ANY_ALLOW:
+            policy = "*"
+        else:
+            try:
+                policy = policies[int(tag)].key
+            except (ValueError, IndexError):
+                continue
+        key = Decisions(ns, workload, policy, m["action"].upper(), decision)
+        out[key] = out.get(key, 0) + value
+    # every policy that selects a pod is there from the start, at zero
+    for ns, workload, policies in pods.values():
+        for p in policies:
+            action = p.action.lower()
+            for (a, _r), decision in _COUNTED.items():
+                if a == action:
+                    out.setdefault(Decisions(ns, workload, "*" if a == "allow" else p.key,
+                                             p.action, decision), 0)
+    return out
