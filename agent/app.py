@@ -490,6 +490,7 @@ class Agent:
         authz = self.mesh.authz
         self.node.authz.set(lambda ns, labels: bool(authz.for_pod(ns, labels)))
         self.mesh.on_authz_selection = self._judge_selected
+        self.mesh.on_policy_problem = self._policy_problem
         self.handler.on_captured = self.mesh.pod_captured
         self.handler.on_released = self.mesh.pod_released
         set_learner = getattr(self.sink, "set_access_callback", None)
@@ -512,6 +513,16 @@ class Agent:
             self.slices.start(synced=synced)
             self.meshpods.start(synced=synced)
             self._start_route_status(watcher)
+
+    def _policy_problem(self, namespace: str, name: str, uid: str, why: str) -> None:
+        """An AuthorizationPolicy that cannot be read: a Warning Event on it (it is enforced
+        fail closed meanwhile)."""
+        from agent.authz.policy import API_VERSION, KIND
+        from agent.source.base import PodEvent
+        self.handler.events.put(PodEvent(
+            namespace, name, uid, "InvalidAuthorizationPolicy",
+            f"cannot be read ({why}); enforced fail closed until it is fixed",
+            kind=KIND, api_version=API_VERSION))
 
     def _judge_selected(self, selected: frozenset[str]) -> None:
         """The pods an AuthorizationPolicy selects changed: their rules steer plaintext

@@ -64,8 +64,8 @@ class MeshRuntime:
         self.controller_name = controller_name
         # AuthorizationPolicies (agent.authz), applied to this node's pods at each publish
         self.authz = PolicyIndex(root_namespace)
-        # a policy that cannot be read: (namespace, name, why) → a Kubernetes Event on it
-        self.on_policy_problem: Callable[[str, str, str], None] | None = None
+        # a policy that cannot be read: (namespace, name, uid, why) → a Kubernetes Event on it
+        self.on_policy_problem: Callable[[str, str, str, str], None] | None = None
         # the local pods some policy selects, after a publish that changed them
         self.on_authz_selection: Callable[[frozenset[str]], None] | None = None
         self._selected: frozenset[str] = frozenset()
@@ -172,7 +172,7 @@ class MeshRuntime:
                   else "it selects its pods and matches nothing")
         if self.on_policy_problem is not None:
             try:
-                self.on_policy_problem(ns, name, policy.error)
+                self.on_policy_problem(ns, name, str(meta.get("uid") or ""), policy.error)
             except Exception:  # an Event is best effort; the policy is enforced anyway
                 log.exception("reporting the policy problem of %s failed", policy.key)
 

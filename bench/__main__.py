@@ -33,6 +33,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
                      "quick": ["--quick"]},
     "takeover": {"full": ["--takeovers", "10", "--crashes", "3", "--pods", "110"],
                  "quick": ["--quick"]},
+    "authz_cost": {"full": ["--rounds", "5", "--duration", "8"], "quick": ["--quick"]},
 }
 
 
@@ -327,6 +328,19 @@ def _spread(m: dict[str, Any], unit: str = " s") -> str:
     return f"{m['median']:.1f}{unit} (spread {m['spread'][0]:.1f}–{m['spread'][1]:.1f})"
 
 
+def rows_authz_cost(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for shape, s in d["shapes"].items():
+        lo, hi = (s["spread"] + [0.0, 0.0])[:2]
+        verdict = ("PASS" if s["target_met"] else "MISS") + f" (≤ {d['target']:g}×)"
+        out.append(("authz_cost", f"mTLS hop, {MTLS_MODE_LABELS.get(shape, shape)}, keep-alive "
+                    f"-c32: node Envoy CPU per request with {d['policies']} AuthorizationPolicies "
+                    f"selecting the server (median of {d['rounds']} rounds)",
+                    f"{s['cpu_us_with']:.0f} µs", f"no policy {s['cpu_us_without']:.0f} µs",
+                    f"{s['cpu_ratio_median']:.2f}× (spread {lo:.2f}–{hi:.2f})", verdict))
+    return out
+
+
 def rows_takeover(d: dict[str, Any]) -> list[Row]:
     t, c = d["takeover"], d.get("crash")
     n, pods = len(d["takeovers"]), d["pods"]
@@ -359,7 +373,8 @@ def rows_takeover(d: dict[str, Any]) -> list[Row]:
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
         "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics,
-        "sidecar_path": rows_sidecar_path, "takeover": rows_takeover}
+        "sidecar_path": rows_sidecar_path, "takeover": rows_takeover,
+        "authz_cost": rows_authz_cost}
 
 
 def machine() -> str:

@@ -383,3 +383,5 @@ def test_audit_never_denies_and_a_malformed_policy_is_reported_while_others_hold
     line = next(json.loads(ln) for ln in logs.splitlines()
                 if "app/broken" in ln and "cannot be read" in ln)
     assert line["level"] == "error", line
+    # and an Event on the policy (in standalone mode the source logs it)
+    until(lambda: "InvalidAuthorizationPolicy" in w.node.agent.logs(), "no Event was recorded")

@@ -64,7 +64,7 @@ class _Sink:
 def test_the_runtime_publishes_each_local_pods_policies_and_reports_bad_ones() -> None:
     rt = MeshRuntime(NodeConfig(node_name="n1", run_dir="/tmp/unused"))
     problems: list[tuple[str, str, str]] = []
-    rt.on_policy_problem = lambda ns, name, why: problems.append((ns, name, why))
+    rt.on_policy_problem = lambda ns, name, _uid, why: problems.append((ns, name, why))
     rt.follow_objects()
     sink = _Sink()
     rt.sink = sink

@@ -139,6 +139,17 @@ def test_record_event(source: KubeSource, server: FakeApiServer) -> None:
     assert ev["metadata"]["name"].startswith("web-1.")
 
 
+def test_record_event_on_an_authorization_policy(source: KubeSource, server: FakeApiServer
+                                                  ) -> None:
+    source.record_event(PodEvent("shop", "allow-web", "uid-p", "InvalidAuthorizationPolicy",
+                                 "cannot be read", kind="AuthorizationPolicy",
+                                 api_version="security.aether.io/v1alpha1"))
+    [ev] = server.events_for("shop", "allow-web")
+    assert ev["involvedObject"] == {
+        "apiVersion": "security.aether.io/v1alpha1", "kind": "AuthorizationPolicy",
+        "namespace": "shop", "name": "allow-web", "uid": "uid-p"}
+
+
 def test_record_event_never_raises(
     source: KubeSource, server: FakeApiServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -146,7 +157,7 @@ def test_record_event_never_raises(
     with caplog.at_level(logging.WARNING, logger="agent.source.kube"):
         source.record_event(PodEvent("shop", "web-1", "", "Captured", "ok", type="Normal"))
     assert server.events_for("shop", "web-1") == []
-    assert "could not record Captured event on pod shop/web-1" in caplog.text
+    assert "could not record Captured event on pod shop/web-1" in caplog.text, caplog.text
     server.stop()
     source.record_event(PodEvent("shop", "web-1", "", "Captured", "ok", type="Normal"))
 

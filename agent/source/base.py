@@ -26,14 +26,17 @@ class WatchEvent:
 
 @dataclass(frozen=True)
 class PodEvent:
-    """A Kubernetes Event to record against a pod."""
+    """A Kubernetes Event to record against a pod (or, with ``kind``/``api_version``,
+    another namespaced object of ours: an AuthorizationPolicy that cannot be read)."""
 
     namespace: str
-    pod: str
+    pod: str  # the object's name
     uid: str
     reason: str
     message: str
     type: Literal["Normal", "Warning"] = "Warning"
+    kind: str = "Pod"
+    api_version: str = "v1"
 
 
 class SourceError(Exception):

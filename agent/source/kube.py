@@ -129,8 +129,9 @@ class KubeSource:
             self._retrying(f"event {event.reason}", post, deadline, attempts=2)
         except Exception as exc:  # best effort by contract: never raise
             log.warning(
-                "could not record %s event on pod %s/%s: %s",
+                "could not record %s event on %s %s/%s: %s",
                 event.reason,
+                event.kind.lower(),
                 event.namespace,
                 event.pod,
                 _describe_error(exc.__cause__ or exc),
@@ -142,8 +143,8 @@ class KubeSource:
         suffix = secrets.token_hex(8)
         name = f"{event.pod[: _MAX_NAME - len(suffix) - 1]}.{suffix}"
         involved: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "Pod",
+            "apiVersion": event.api_version,
+            "kind": event.kind,
             "namespace": event.namespace,
             "name": event.pod,
         }

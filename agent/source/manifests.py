@@ -670,7 +670,8 @@ class ManifestSource:
     def record_event(self, event: PodEvent) -> None:
         self.events.append(event)
         log.warning(
-            "pod event %s: %s",
+            "%s event %s: %s",
+            event.kind.lower(),
             event.reason,
             event.message,
             extra={"pod": event.pod, "namespace": event.namespace, "reason": event.reason},
