@@ -97,7 +97,8 @@ class CapturePolicy:
                if self.peer_cgroup else {}),
             # only for STRICT: a permissive policy keeps the hash (and table comment) it had
             **({"strict": True, "inbound_port": self.inbound_port} if self.strict else {}),
-            **({"judged": True, "judge_port": self.judge_port} if self.judged else {}),
+            **({"judged": True, "judge_port": self.judge_port, "inbound_port": self.inbound_port}
+               if self.judged else {}),
             **({"node_sources_v4": list(self.node_sources_v4),
                 "node_sources_v6": list(self.node_sources_v6)}
                if self.strict or self.judged else {}),
@@ -294,7 +295,7 @@ def decide(
         proxy_cgroup_level=node.proxy_cgroup_level,
         **_peer_fields(node),
         strict=strict,
-        inbound_port=node.inbound_port if strict else CapturePolicy.inbound_port,
+        inbound_port=node.inbound_port if exempt else CapturePolicy.inbound_port,
         judged=judged,
         judge_port=node.judge_port if judged else CapturePolicy.judge_port,
         node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if exempt else (),
@@ -330,6 +331,7 @@ def with_judged(policy: CapturePolicy, judged: bool, node: NodeConfig) -> Captur
     return replace(
         policy, judged=judged,
         judge_port=node.judge_port if judged else CapturePolicy.judge_port,
+        inbound_port=node.inbound_port if exempt else CapturePolicy.inbound_port,
         node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if exempt else (),
         node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if exempt else ())
 
