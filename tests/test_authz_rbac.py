@@ -54,9 +54,13 @@ def test_one_filter_per_deny_and_audit_policy_one_for_the_allows_in_istios_order
     assert first[0].authenticated.principal_name.exact == "spiffe://cluster.local/ns/app/sa/a"
     assert first[1].not_id.direct_remote_ip.address_prefix == "10.9.0.0"
     assert "ns/other[^/]*/sa" in src[1].authenticated.principal_name.safe_regex.regex
+    # HTTP: one filter per action (each costs every request), counted per policy by Envoy
     http = http_rbac_filters(POLICIES)
-    assert set(http[2].rules.policies) == {"app/allow-a[0]", "app/get-only[0]"}
-    assert http[2].rules_stat_prefix == "aether_authz.allow.any."
+    assert [f.rules_stat_prefix or f.shadow_rules_stat_prefix for f in http] == [
+        "aether_authz.deny.all.", "aether_authz.allow.any.", "aether_authz.audit.all."]
+    assert set(http[0].rules.policies) == {"app/deny-admin[0]", "app/broken"}
+    assert set(http[1].rules.policies) == {"app/allow-a[0]", "app/get-only[0]"}
+    assert [f.track_per_rule_stats for f in http] == [True, False, True]
 
 
 def test_an_allow_without_rules_renders_a_filter_that_denies_all() -> None:

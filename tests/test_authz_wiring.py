@@ -166,10 +166,13 @@ def test_rbac_counters_become_decisions_per_workload_and_policy() -> None:
     stats = [
         ("aether_authz.u1.deny.0.rbac.denied", 2),
         ("aether_authz.u1.deny.0.rbac.allowed", 9),  # passed the DENY: not a decision
-        ("http.inbound-u1-http.rbac.aether_authz.deny.0.denied", 3),
+        ("http.inbound-u1-http.rbac.aether_authz.deny.all.policy.app/deny-c[0].denied", 3),
+        ("http.inbound-u1-http.rbac.aether_authz.deny.all.denied", 3),  # the total: skipped
         ("aether_authz.u2.deny.0.rbac.denied", 1),  # another pod of the same workload
-        ("http.inbound-u1-http.rbac.aether_authz.audit.1.shadow_allowed", 4),
-        ("http.inbound-u1-http.rbac.aether_authz.audit.1.shadow_denied", 7),
+        ("http.inbound-u1-http.rbac.aether_authz.audit.all.policy.app/watch[0].shadow_allowed",
+         4),
+        ("http.inbound-u1-http.rbac.aether_authz.audit.all.shadow_allowed", 4),
+        ("http.inbound-u1-http.rbac.aether_authz.audit.all.shadow_denied", 7),
         ("aether_authz.u1.allow.any.rbac.allowed", 5),
         ("aether_authz.u1.allow.any.rbac.denied", 6),
         ("aether_authz.gone.deny.0.rbac.denied", 50),  # a pod no longer here

@@ -4,7 +4,9 @@ The inbound filters (``agent.authz.rbac``) name their stats by the pod's listene
 action and a tag (the policy's index among the pod's, or ``any`` for the ALLOW set):
 
 * network (L4 chains, the judging listener): ``aether_authz.<uid>.<action>.<tag>.rbac.<r>``
-* HTTP: ``http.inbound-<uid>-http.rbac.aether_authz.<action>.<tag>.<r>``
+* HTTP: ``http.inbound-<uid>-http.rbac.aether_authz.allow.any.<r>``, and for the DENY and
+  AUDIT filters, which hold all the pod's policies of their action (``all``), Envoy's
+  per-rule ``….aether_authz.<action>.all.policy.<ns>/<name>[<rule>].<r>``
 
 A decision is counted where it was taken: a DENY policy's ``denied`` (``deny`` under that
 policy), the ALLOW set's ``allowed``/``denied`` (under ``*``: Envoy does not say which ALLOW
@@ -24,7 +26,12 @@ from agent.authz.rbac import ANY_ALLOW
 _NET = re.compile(r"^aether_authz\.(?P<uid>[^.]+)\.(?P<action>deny|allow|audit)\."
                   r"(?P<tag>[^.]+)\.rbac\.(?P<result>[a-z_]+)$")
 _HTTP = re.compile(r"^http\.inbound-(?P<uid>[^.]+)-http\.rbac\.aether_authz\."
-                   r"(?P<action>deny|allow|audit)\.(?P<tag>[^.]+)\.(?P<result>[a-z_]+)$")
+                   r"(?P<action>allow)\.(?P<tag>any)\.(?P<result>[a-z_]+)$")
+# the HTTP chain's DENY and AUDIT filters hold every policy of their action; Envoy's per-rule
+# stats name the policy (``<ns>/<name>[<rule>]``; an unreadable one without the rule)
+_HTTP_RULE = re.compile(r"^http\.inbound-(?P<uid>[^.]+)-http\.rbac\.aether_authz\."
+                        r"(?P<action>deny|audit)\.all\.policy\.(?P<policy>[^/]+/[^\[]+)"
+                        r"(?:\[\d+\])?\.(?P<result>[a-z_]+)$")
 STATS_FILTER = r"aether_authz\."
 
 
@@ -47,7 +54,7 @@ def decisions(stats: Iterable[tuple[str, int]],
     outlive it until Envoy drops them) is not counted."""
     out: dict[Decisions, int] = {}
     for name, value in stats:
-        m = _NET.match(name) or _HTTP.match(name)
+        m = _NET.match(name) or _HTTP.match(name) or _HTTP_RULE.match(name)
         if m is None:
             continue
         decision = _COUNTED.get((m["action"], m["result"]))
@@ -55,8 +62,10 @@ def decisions(stats: Iterable[tuple[str, int]],
         if decision is None or pod is None:
             continue
         ns, workload, policies = pod
-        tag = m["tag"]
-        if tag == ANY_ALLOW:
+        tag = m.groupdict().get("tag")
+        if tag is None:  # a per-rule stat: the policy by name
+            policy = m["policy"]
+        elif tag == ANY_ALLOW:
             policy = "*"
         else:
             try:
