@@ -105,3 +105,13 @@ def test_envoy_accepts_the_rendered_filters(tmp_path: Path) -> None:
     out = subprocess.run([find_envoy_binary(), "--mode", "validate", "-c", str(p), "-l", "warn"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_namespaces_of_the_mesh_trust_domain_are_prefix_matches() -> None:
+    p = _p("ns", {"rules": [{"from": [{"source": {"namespaces": ["other", "team*", "*x"]}}]}]})
+    (f,) = network_rbac_filters([p], trust_domain="cluster.local")
+    ids = f.rules.policies["app/ns[0]"].principals[0].or_ids.ids
+    got = [i.authenticated.principal_name for i in ids]
+    assert got[0].prefix == "spiffe://cluster.local/ns/other/sa/"
+    assert got[1].prefix == "spiffe://cluster.local/ns/team"
+    assert got[2].safe_regex.regex  # a suffix pattern needs the regex

@@ -36,6 +36,18 @@ def _glob(pattern: str, prefix: str = "", ignore_case: bool = False) -> string_p
     return string_pb2.StringMatcher(exact=prefix + pattern, ignore_case=ignore_case)
 
 
+def _ns_matcher(pattern: str, trust_domain: str | None) -> string_pb2.StringMatcher:
+    """A caller's namespace, matched in its SPIFFE ID. With the mesh's ``trust_domain`` (the
+    only one whose certificates the inbound accepts) an exact or prefix pattern is a prefix
+    match of the ID, far cheaper per request than the regex any other pattern needs."""
+    if trust_domain is not None and pattern != "*" and not pattern.startswith("*"):
+        head = f"spiffe://{trust_domain}/ns/"
+        if pattern.endswith("*"):
+            return string_pb2.StringMatcher(prefix=head + pattern[:-1])
+        return string_pb2.StringMatcher(prefix=f"{head}{pattern}/sa/")
+    return _ns_regex(pattern)
+
+
 def _ns_regex(pattern: str) -> string_pb2.StringMatcher:
     if pattern == "*":
         ns = "[^/]+"
@@ -66,7 +78,7 @@ def _cidr_id(block: str) -> rbac_pb2.Principal:
     return rbac_pb2.Principal(direct_remote_ip=cidr)
 
 
-def source_principal(s: Source) -> rbac_pb2.Principal:
+def source_principal(s: Source, trust_domain: str | None = None) -> rbac_pb2.Principal:
     parts: list[rbac_pb2.Principal] = []
 
     def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
@@ -77,8 +89,8 @@ def source_principal(s: Source) -> rbac_pb2.Principal:
 
     pair([_principal_id(_glob(p, "spiffe://")) for p in s.principals],
          [_principal_id(_glob(p, "spiffe://")) for p in s.not_principals])
-    pair([_principal_id(_ns_regex(n)) for n in s.namespaces],
-         [_principal_id(_ns_regex(n)) for n in s.not_namespaces])
+    pair([_principal_id(_ns_matcher(n, trust_domain)) for n in s.namespaces],
+         [_principal_id(_ns_matcher(n, trust_domain)) for n in s.not_namespaces])
     pair([_cidr_id(b) for b in s.ip_blocks], [_cidr_id(b) for b in s.not_ip_blocks])
     if not parts:
         return rbac_pb2.Principal(any=True)
@@ -128,8 +140,8 @@ def operation_permission(o: Operation, sni_port: bool = True) -> rbac_pb2.Permis
         and_rules=rbac_pb2.Permission.Set(rules=parts))
 
 
-def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bool = True
-               ) -> rbac_pb2.RBAC | None:
+def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bool = True,
+               trust_domain: str | None = None) -> rbac_pb2.RBAC | None:
     """The Envoy RBAC of the ``action`` policies among ``policies``, as enforced on an HTTP
     chain (``http``) or an L4 one; None when no such policy selects the pod."""
     chosen = [p for p in policies if p.action == action]
@@ -146,7 +158,7 @@ def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bo
             pol = out.policies[f"{p.key}[{i}]"]
             pol.permissions.extend([operation_permission(o, sni_port) for o in r.operations]
                                    or [rbac_pb2.Permission(any=True)])
-            pol.principals.extend([source_principal(s) for s in r.sources]
+            pol.principals.extend([source_principal(s, trust_domain) for s in r.sources]
                                   or [rbac_pb2.Principal(any=True)])
     return out
 
@@ -155,8 +167,8 @@ STAT_ROOT = "aether_authz"
 ANY_ALLOW = "any"  # the tag of the one ALLOW filter (its policies are alternatives)
 
 
-def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = True
-                    ) -> list[tuple[str, str, rbac_pb2.RBAC]]:
+def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = True,
+                    trust_domain: str | None = None) -> list[tuple[str, str, rbac_pb2.RBAC]]:
     """(action, tag, RBAC) of each filter, in Istio's order: one per DENY policy (so each
     denial is counted under its policy), one for every ALLOW policy together (a request
     must match one of them), one per AUDIT policy. The tag is the policy's index in
@@ -168,7 +180,7 @@ def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = Tru
         else:
             groups = [(str(i), [p]) for i, p in enumerate(policies) if p.action == action]
         for tag, chosen in groups:
-            rules = rbac_rules(chosen, action, http, sni_port)
+            rules = rbac_rules(chosen, action, http, sni_port, trust_domain)
             if rules is not None:
                 out.append((action, tag, rules))
     return out
@@ -188,24 +200,25 @@ def _audit_as_shadow(rules: rbac_pb2.RBAC) -> rbac_pb2.RBAC:
     return shadow
 
 
-def network_rbac_filters(policies: Sequence[Policy], sni_port: bool = True, scope: str = ""
-                         ) -> list[net_rbac_pb2.RBAC]:
+def network_rbac_filters(policies: Sequence[Policy], sni_port: bool = True, scope: str = "",
+                         trust_domain: str | None = None) -> list[net_rbac_pb2.RBAC]:
     """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT);
     ``scope`` (the pod's listener uid) names their stats, which are node-wide."""
     out = []
-    for action, tag, rules in _rules_in_order(policies, http=False, sni_port=sni_port):
+    for action, tag, rules in _rules_in_order(policies, False, sni_port, trust_domain):
         prefix = stat_prefix(scope, action, tag)
         out.append(net_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules), stat_prefix=prefix)
                    if action == AUDIT else net_rbac_pb2.RBAC(rules=rules, stat_prefix=prefix))
     return out
 
 
-def _merged_in_order(policies: Sequence[Policy]) -> list[tuple[str, rbac_pb2.RBAC]]:
+def _merged_in_order(policies: Sequence[Policy], trust_domain: str | None = None
+                     ) -> list[tuple[str, rbac_pb2.RBAC]]:
     """(action, RBAC of every policy of that action) in Istio's order, as enforced with
     HTTP attributes."""
     out = []
     for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, http=True)
+        rules = rbac_rules(policies, action, True, trust_domain=trust_domain)
         if rules is not None:
             out.append((action, rules))
     return out
@@ -214,13 +227,14 @@ def _merged_in_order(policies: Sequence[Policy]) -> list[tuple[str, rbac_pb2.RBA
 MERGED = "all"  # the tag of a filter holding every DENY (or AUDIT) policy of a pod
 
 
-def http_rbac_filters(policies: Sequence[Policy]) -> list[http_rbac_pb2.RBAC]:
+def http_rbac_filters(policies: Sequence[Policy], trust_domain: str | None = None
+                      ) -> list[http_rbac_pb2.RBAC]:
     """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order; their
     stats live under the chain's HTTP connection manager's. Each filter costs CPU on every
     request, so here the policies of an action share one filter (at most three), counted
     per policy by Envoy's per-rule stats (``track_per_rule_stats``)."""
     out = []
-    for action, rules in _merged_in_order(policies):
+    for action, rules in _merged_in_order(policies, trust_domain):
         tag = ANY_ALLOW if action == ALLOW else MERGED
         prefix = stat_prefix("", action, tag)
         f = (http_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules),

@@ -397,9 +397,10 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
     name = inbound_listener_name(uid)
     target = deliver_target(ips)
+    td = tls.trust_domain
     l4_rbac = [_network_filter(NETWORK_RBAC, f)
-               for f in network_rbac_filters(policies, scope=uid)]
-    http_rbac = [_http_filter(HTTP_RBAC, f) for f in http_rbac_filters(policies)]
+               for f in network_rbac_filters(policies, scope=uid, trust_domain=td)]
+    http_rbac = [_http_filter(HTTP_RBAC, f) for f in http_rbac_filters(policies, td)]
 
     def match(family: str, **kw: object) -> listener_components_pb2.FilterChainMatch:
         # every chain names its destination range: Envoy narrows on the destination address
