@@ -24,8 +24,7 @@ from typing import Any
 
 import psutil
 
-from agent.identity.ca_dir import make_ca
-from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
+from bench.common import AgentProc, Pod, bench_cli, progress, teardown_node
 from bench.envoy_common import ServerEnvoy, run_wrk
 from bench.mesh_mtls import (
     MESH_MODES,
@@ -36,7 +35,6 @@ from bench.mesh_mtls import (
     _cpu_s,
     _spread,
     _wait,
-    manifests,
 )
 
 SHAPES = ("http", "tcp")
@@ -85,17 +83,7 @@ def _enforced(agent: AgentProc, pod: str) -> int:
 
 
 def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
-    ca = os.path.join(workdir, "ca")
-    make_ca(ca)
-    agent = AgentProc(workdir, envoy=True, extra=["--identity-ca-dir", ca, "--log-level", "info",
-                                                  "--listener-timeout", "15"])
-    bridge = f"aeta{os.getpid() % 100000}"
-    kubelet = Kubelet(workdir, bridge, "10.215.0.0/16", "fd00:a3e4:215::/64",
-                      {"agent_socket": agent.socket, "capture_redirect_all_default": True})
-    client = kubelet.new_pod(NS, "client")
-    server = kubelet.new_pod(NS, "server")
-    outsider = kubelet.new_pod("outside", "outsider")
-    agent.write("bench.yaml", manifests(client, server, outsider))
+    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "a", 215)
     pods: list[Pod] = []
     srv: ServerEnvoy | None = None
     policy_file = os.path.join(agent.manifests, "authz.yaml")

@@ -200,18 +200,27 @@ def _thread_name(pid: int, tid: int) -> str:
         return ""
 
 
-def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
+def mtls_node(workdir: str, tag: str, net: int
+              ) -> tuple[str, AgentProc, str, Kubelet, Pod, Pod, Pod]:
+    """The agent with identity (a CA of its own), a kubelet on bridge ``aet<tag><pid>`` and
+    subnet ``10.<net>.0.0/16``, and the client, server and outsider pods with their
+    manifests: (ca dir, agent, bridge, kubelet, client, server, outsider). Nothing started."""
     ca = os.path.join(workdir, "ca")
     make_ca(ca)
     agent = AgentProc(workdir, envoy=True, extra=["--identity-ca-dir", ca, "--log-level", "info",
                                                   "--listener-timeout", "15"])
-    bridge = f"aetm{os.getpid() % 100000}"
-    kubelet = Kubelet(workdir, bridge, "10.214.0.0/16", "fd00:a3e4:214::/64",
+    bridge = f"aet{tag}{os.getpid() % 100000}"
+    kubelet = Kubelet(workdir, bridge, f"10.{net}.0.0/16", f"fd00:a3e4:{net}::/64",
                       {"agent_socket": agent.socket, "capture_redirect_all_default": True})
     client = kubelet.new_pod(NS, "client")
     server = kubelet.new_pod(NS, "server")
     outsider = kubelet.new_pod("outside", "outsider")
     agent.write("bench.yaml", manifests(client, server, outsider))
+    return ca, agent, bridge, kubelet, client, server, outsider
+
+
+def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
+    ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "m", 214)
     pods: list[Pod] = []
     srv: ServerEnvoy | None = None
     floor: ServerEnvoy | None = None

@@ -19,20 +19,25 @@ import pytest
 from agent.identity.ca_dir import make_ca
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
-from agent.testing.netutil import http_echo_server, http_get_from
+from agent.testing.netutil import (
+    host_get,
+    http_echo_server,
+    http_get_from,
+    read_first,
+    recv_upto,
+)
 from integration.conftest import EnvoyNode, running
+from integration.conftest import until as poll_until
 
 TD = "cluster.local"
 HTTP_IP, TCP_IP = "10.96.71.10", "10.96.71.11"
 DEPS = {"aether.io/dependencies": "app/echo,app/echo-tcp"}
 
 
-class RecordingEcho:
-    """A TCP echo on ``port`` in a pod netns that records every byte it was sent: a denied
-    caller must not get one to the application."""
+class _Server:
+    """A TCP server on ``port`` in a pod netns, one thread per connection (``handle``)."""
 
     def __init__(self, netns: str, port: int) -> None:
-        self.received = bytearray()
         self.accepted = 0
         self.lst = run_in_netns(netns, lambda: socket.create_server(("0.0.0.0", port)))
         threading.Thread(target=self._serve, daemon=True).start()
@@ -49,58 +54,41 @@ class RecordingEcho:
     def _one(self, c: socket.socket) -> None:
         with c:
             try:
-                while data := c.recv(65536):
-                    self.received += data
-                    c.sendall(data)
+                self.handle(c)
             except OSError:
                 pass
+
+    def handle(self, c: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self.lst.close()
 
 
-class BannerServer:
+class RecordingEcho(_Server):
+    """A TCP echo that records every byte it was sent: a denied caller must not get one to
+    the application."""
+
+    def __init__(self, netns: str, port: int) -> None:
+        self.received = bytearray()
+        super().__init__(netns, port)
+
+    def handle(self, c: socket.socket) -> None:
+        while data := c.recv(65536):
+            self.received += data
+            c.sendall(data)
+
+
+class BannerServer(_Server):
     """A server-first application (SMTP, SSH, MySQL greet first): writes a banner the moment
     it accepts. A denied caller must not read it."""
 
     BANNER = b"220 secret-banner\r\n"
 
-    def __init__(self, netns: str, port: int) -> None:
-        self.accepted = 0
-        self.lst = run_in_netns(netns, lambda: socket.create_server(("0.0.0.0", port)))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.lst.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            with c:
-                try:
-                    c.sendall(self.BANNER)
-                    c.settimeout(5)
-                    c.recv(100)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.lst.close()
-
-
-def read_first(netns: str, ip: str, port: int, wait: float = 3.0) -> bytes:
-    """Connect and read without sending anything (b"": closed or nothing came)."""
-    def work() -> bytes:
-        s = socket.create_connection((ip, port), timeout=5)
-        s.settimeout(wait)
-        try:
-            return s.recv(100)
-        except OSError:
-            return b""
-        finally:
-            s.close()
-    return run_in_netns(netns, work)
+    def handle(self, c: socket.socket) -> None:
+        c.sendall(self.BANNER)
+        c.settimeout(5)
+        c.recv(100)
 
 
 @pytest.fixture
@@ -160,13 +148,7 @@ class World:
             s = socket.create_connection((TCP_IP, 9000), timeout=5)
             try:
                 s.sendall(payload)
-                got = b""
-                while len(got) < len(payload):
-                    chunk = s.recv(100)
-                    if not chunk:
-                        break
-                    got += chunk
-                return got
+                return recv_upto(s, len(payload))
             except OSError:
                 return b""
             finally:
@@ -192,13 +174,7 @@ ALLOW_A = policy("allow-a", {"selector": {"matchLabels": {"app": "echo"}}, "rule
 
 def until(check: Any, what: str, timeout: float = 5.0) -> Any:
     """``check()`` until truthy within ``timeout`` s (the issue's bound for a change)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
+    return poll_until(check, what, timeout)
 
 
 @pytest.fixture
@@ -238,7 +214,7 @@ def test_allow_from_a_admits_a_alone_with_the_identity_from_the_certificate(worl
     # refused; the node itself (kubelet's probes) still gets through
     direct = http_get_from(w.outsider.netns, w.server.ip(), 8080, count=1, timeout=3)[0]
     assert direct[0] == 0, direct
-    assert _host_get(w.server.ip(), 8080) == 200
+    assert host_get(w.server.ip(), 8080) == 200
     # what an operator asks: which policies select the pod, what they decide for a caller
     for caller, allowed in ((f"spiffe://{TD}/ns/app/sa/b", False),
                             (f"spiffe://{TD}/ns/app/sa/a", True), ("", False)):
@@ -271,15 +247,6 @@ def test_a_denied_caller_reads_nothing_of_a_server_first_application(world: Worl
     assert read_first(w.a.netns, TCP_IP, 9100) == BannerServer.BANNER
     assert read_first(w.b.netns, TCP_IP, 9100) == b""
     assert read_first(w.outsider.netns, w.server.ip(), 9100) == b""
-
-
-def _host_get(ip: str, port: int) -> int:
-    import urllib.request
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{port}/healthz", timeout=3) as r:
-            return int(r.status)
-    except OSError:
-        return 0
 
 
 def test_a_plaintext_caller_is_judged_by_its_address(world: World) -> None:

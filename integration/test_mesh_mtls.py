@@ -25,7 +25,7 @@ from agent.envoy import mtls
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
-from agent.testing.netutil import http_echo_server, http_get_from
+from agent.testing.netutil import host_get, http_echo_server, http_get_from, read_first
 from integration.conftest import EnvoyNode, running
 from integration.wire import Sniffer
 
@@ -236,14 +236,7 @@ def test_a_pod_of_another_service_account_cannot_pose_as_the_backend(
         server.close()
 
 
-def _host_get(ip: str, port: int) -> int:
-    """A GET from the node's own netns, as kubelet's HTTP probe makes it."""
-    import urllib.request
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{port}/healthz", timeout=3) as r:
-            return int(r.status)
-    except OSError:
-        return 0
+_host_get = host_get
 
 
 @pytest.mark.parametrize("mode", ["strict", "permissive"])
@@ -272,16 +265,7 @@ def test_peer_authentication_strict_refuses_plaintext_from_outside_the_mesh(
                 assert time.monotonic() < deadline, "the refused connection was not counted"
                 time.sleep(0.3)
             # a raw TCP client (no request sent) is not answered either
-            def raw() -> bytes:
-                s = socket.create_connection((server.ip(), 8080), timeout=3)
-                s.settimeout(20)
-                try:
-                    return s.recv(100)
-                except OSError:
-                    return b""
-                finally:
-                    s.close()
-            assert run_in_netns(outsider.netns, raw) == b""
+            assert read_first(outsider.netns, server.ip(), 8080, wait=20) == b""
         else:
             assert direct[0] == 200
             assert "x-forwarded-client-cert" not in json.loads(direct[2])["headers"]

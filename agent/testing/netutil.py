@@ -239,3 +239,39 @@ def http_get_from(netns: str, host: str, port: int, path: str = "/",
         return out
 
     return run_in_netns(netns, work, timeout=max(30.0, count * timeout))
+
+
+def recv_upto(sock: socket.socket, n: int) -> bytes:
+    """Read until ``n`` bytes came or the peer closed (fewer, then)."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def host_get(ip: str, port: int, path: str = "/healthz") -> int:
+    """A GET from the node's own netns, as kubelet's HTTP probe makes it (0: no answer)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}{path}", timeout=3) as r:
+            return int(r.status)
+    except OSError:
+        return 0
+
+
+def read_first(netns: str, ip: str, port: int, wait: float = 3.0) -> bytes:
+    """Connect from ``netns`` and read without sending anything: what the server says first
+    (b"": it closed, or nothing came within ``wait`` s)."""
+    def work() -> bytes:
+        s = socket.create_connection((ip, port), timeout=5)
+        s.settimeout(wait)
+        try:
+            return s.recv(100)
+        except OSError:
+            return b""
+        finally:
+            s.close()
+    return run_in_netns(netns, work)

@@ -22,6 +22,7 @@ from agent.cni import protocol
 from agent.netns.cgroup import cgroup2_mount
 from agent.netns.enter import run_in_netns
 from agent.testing.kubelet import Pod
+from agent.testing.netutil import recv_upto
 
 # the Services the load goes to: web (appProtocol http) and raw (L4); ext is a pod not in
 # the mesh (passthrough)
@@ -134,12 +135,7 @@ class Load:
                 s.settimeout(5)
                 s.connect((ip, port))
                 s.sendall(payload)
-                got = b""
-                while len(got) < len(payload):
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    got += chunk
+                got = recv_upto(s, len(payload))
                 if got != payload:
                     raise OSError(f"echo {got!r} != {payload!r}")
                 with self._lock:
