@@ -35,6 +35,7 @@ from bench.mesh_mtls import (
     _cpu_s,
     _spread,
     _wait,
+    mtls_node,
 )
 
 SHAPES = ("http", "tcp")
