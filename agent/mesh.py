@@ -285,11 +285,12 @@ class MeshRuntime:
             set_authz(by_pod)
         self.sink.set_services(views, self.compute_gamma(), self.model.learnable_targets())
         selected = frozenset(by_pod)
-        if selected != self._selected and self.on_authz_selection is not None:
+        if selected != self._selected:
             # after the publish: a pod's judging listener is sent before its rules steer
             # plaintext to it (in between, plaintext is refused, never let through)
             try:
-                self.on_authz_selection(selected)
+                if self.on_authz_selection is not None:
+                    self.on_authz_selection(selected)
                 self._selected = selected
             except Exception:
                 log.exception("re-programming the pods a policy selects failed; will retry")
@@ -337,6 +338,11 @@ class MeshRuntime:
             "registrations_queued": len(self._reg_queue),
             "route_targets": self._route_targets(),
             "route_problems": self._route_problems(),
+            # AuthorizationPolicies: how many, the pods they select here, the unreadable ones
+            "authorization": {
+                "policies": len(self.authz), "pods_selected": len(self._selected),
+                "problems": [f"{key}: {why} (enforced fail closed)"
+                             for key, why in self.authz.problems()]},
         }
 
     def _route_targets(self) -> dict[str, list[str]]:

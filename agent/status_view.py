@@ -189,6 +189,12 @@ def render(st: dict[str, Any]) -> str:
                 lines.append(f"  {t}: {', '.join(routes)}")
         for prob in (mesh.get("route_problems") or [])[:30]:
             lines.append(f"  ROUTE PROBLEM: {prob}")
+        authz = mesh.get("authorization") or {}
+        if authz.get("policies"):
+            lines.append(f"authorization policies: {authz['policies']} · selecting "
+                         f"{authz.get('pods_selected', 0)} pod(s) here")
+        for prob in (authz.get("problems") or [])[:30]:
+            lines.append(f"  POLICY PROBLEM: {prob}")
     lines += meshpod_lines(st.get("meshpods"), (mesh or {}).get("objects_by_kind") or {})
     for miss in st.get("capture_missing") or []:
         lines.append(f"  CAPTURE MISSING: {miss}")

@@ -79,6 +79,13 @@ def test_the_runtime_publishes_each_local_pods_policies_and_reports_bad_ones() -
     assert [p.key for p in got["app/server"]] == ["app/allow-a", "app/bad"]
     assert [p.key for p in got["app/client"]] == ["app/bad"]  # no selector: the namespace
     assert problems and problems[0][:2] == ("app", "bad") and "10.0.0.0/99" in problems[0][2]
+    # and in status, for the operator (standalone mode has no Events)
+    from agent.status_view import render
+    authz = rt.status()["authorization"]
+    assert authz["policies"] == 2 and authz["pods_selected"] == 2
+    assert "app/bad" in authz["problems"][0]
+    human = render({"mesh": rt.status()})
+    assert "authorization policies: 2" in human and "POLICY PROBLEM: app/bad" in human
     rt.objects.apply(WatchEvent("DELETED", KIND, ALLOW_A))
     rt.objects.apply(WatchEvent("DELETED", KIND, _obj("bad")))
     rt.publish_now()
