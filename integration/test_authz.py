@@ -214,6 +214,9 @@ def test_allow_from_a_admits_a_alone_with_the_identity_from_the_certificate(worl
     # refused; the node itself (kubelet's probes) still gets through
     direct = http_get_from(w.outsider.netns, w.server.ip(), 8080, count=1, timeout=3)[0]
     assert direct[0] == 0, direct
+    until(lambda: f"judged plaintext from={w.outsider.ip()}:" in w.node.agent.logs()
+          and "rbac_access_denied" in w.node.agent.logs(),
+          "the plaintext denial was not logged with its reason", 10)
     assert host_get(w.server.ip(), 8080) == 200
     # what an operator asks: which policies select the pod, what they decide for a caller
     for caller, allowed in ((f"spiffe://{TD}/ns/app/sa/b", False),

@@ -30,10 +30,16 @@ from agent.envoy.pieces import (
     original_dst_filter,
     set_filter_state,
     state_value,
+    stdout_access_log,
     tcp_proxy_filter,
 )
 
 JUDGE_LISTENER_PREFIX = "judge-"
+JUDGE_LOG_FORMAT = (
+    "[%START_TIME%] judged plaintext from=%DOWNSTREAM_REMOTE_ADDRESS% -> "
+    "%DOWNSTREAM_LOCAL_ADDRESS% pod=%UPSTREAM_HOST% flags=%RESPONSE_FLAGS% "
+    "why=%CONNECTION_TERMINATION_DETAILS% rx=%BYTES_RECEIVED% tx=%BYTES_SENT% "
+    "dur=%DURATION%ms\n")
 
 
 def judge_listener_name(uid: str) -> str:
@@ -42,8 +48,9 @@ def judge_listener_name(uid: str) -> str:
 
 def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
                          policies: Sequence[Policy], port: int, ipv4: bool = True,
-                         ipv6: bool = True) -> listener_pb2.Listener:
-    """The pod's judging listener on ``port`` of every family it has, in its netns."""
+                         ipv6: bool = True, access_log: bool = False) -> listener_pb2.Listener:
+    """The pod's judging listener on ``port`` of every family it has, in its netns;
+    ``access_log``: a stdout line per connection, a denial's reason included."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
     addrs = ([("0.0.0.0", port)] if ipv4 else []) + ([("::", port)] if ipv6 else [])
@@ -68,8 +75,9 @@ def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
         name=name, stat_prefix=name, address=sock(*addrs[0]),
         listener_filters=[original_dst_filter()],
         filter_chains=[listener_components_pb2.FilterChain(
-            name="judged", filters=[state, *rbac,
-                                    tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER)])])
+            name="judged", filters=[state, *rbac, tcp_proxy_filter(
+                name, INBOUND_DELIVER_CLUSTER,
+                *([stdout_access_log(JUDGE_LOG_FORMAT)] if access_log else []))])])
     for a in addrs[1:]:
         lis.additional_addresses.add().address.CopyFrom(sock(*a))
     if ipv4 and ipv6:

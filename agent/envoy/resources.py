@@ -1402,7 +1402,8 @@ class ResourceBuilder:
         if tls is not None and pod.authz and pod.ips:
             # its plaintext callers, steered here by its rules while a policy selects it
             entries.append((judge_listener_name(pod.uid), build_judge_listener(
-                pod.uid, pod.netns_path, pod.ips, pod.authz, JUDGE_PORT, pod.ipv4, pod.ipv6)))
+                pod.uid, pod.netns_path, pod.ips, pod.authz, JUDGE_PORT, pod.ipv4, pod.ipv6,
+                access_log=state.connection_log)))
         self._pod_entries[pod] = tuple(entries)
         for name, lis in entries:
             self._pod_out[name] = lis

@@ -26,6 +26,7 @@ from agent.envoy import watchdog
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
 from agent.envoy.compat import BUILT_FOR, wire_patch
 from agent.envoy.golden import GoldenFold
+from agent.envoy.judge import JUDGE_LISTENER_PREFIX
 from agent.envoy.listener_view import (
     REJECTED,
     ListenerProbe,
@@ -746,7 +747,7 @@ class EnvoySink:
             with self._lock:
                 named = [cid for cid in self._pods if any(
                     nack_names(f"{prefix}{cid}", detail)
-                    for prefix in ("capture-", "inbound-"))]
+                    for prefix in ("capture-", "inbound-", JUDGE_LISTENER_PREFIX))]
                 for cid in named:
                     del self._pods[cid]
                     self._rejected[cid] = detail.strip()
