@@ -178,14 +178,22 @@ class MeshRuntime:
 
     def authz_by_pod(self) -> dict[str, tuple[Policy, ...]]:
         """The policies selecting each of this node's pods (pod key → policies; none: absent)."""
+        return self._authz_of_local()[0]
+
+    def _authz_of_local(self) -> tuple[dict[str, tuple[Policy, ...]], frozenset[str] | None]:
+        """(pod key → policies, the local pods the model knows; None: every pod, as when no
+        policy exists). A pod the model does not hold yet (its ADD is registering it) is
+        not in the known set: the sink keeps what its ADD resolved from its labels."""
         if not len(self.authz):
-            return {}
+            return {}, None
         out = {}
+        known = []
         for key, ns, labels in self.model.local_pod_labels():
+            known.append(key)
             chosen = self.authz.for_pod(ns, labels)
             if chosen:
                 out[key] = chosen
-        return out
+        return out, frozenset(known)
 
     def pod_captured(self, pod: CapturedPod, labels: dict[str, str],
                      annotations: dict[str, str]) -> None:
@@ -279,10 +287,10 @@ class MeshRuntime:
             return
         t0 = time.monotonic()
         views = self.model.in_scope_services()
-        by_pod = self.authz_by_pod()
+        by_pod, known = self._authz_of_local()
         set_authz = getattr(self.sink, "set_authz", None)
         if callable(set_authz):  # the pods' policies ride the same publish
-            set_authz(by_pod)
+            set_authz(by_pod, known)
         self.sink.set_services(views, self.compute_gamma(), self.model.learnable_targets())
         selected = frozenset(by_pod)
         if selected != self._selected:

@@ -53,7 +53,7 @@ class _Sink:
     def __init__(self) -> None:
         self.authz: list[dict[str, Any]] = []
 
-    def set_authz(self, by_pod: dict[str, Any]) -> int:
+    def set_authz(self, by_pod: dict[str, Any], known: Any = None) -> int:
         self.authz.append(by_pod)
         return 0
 
@@ -195,3 +195,25 @@ def test_rbac_counters_become_decisions_per_workload_and_policy() -> None:
     # a policy is there from the start, at zero
     assert decisions([], {"u1": ("app", "server", (deny,))}) == {
         Decisions("app", "server", "app/deny-c", "DENY", "deny"): 0}
+
+
+def test_the_sink_keeps_an_adds_policies_until_the_mesh_holds_the_pod() -> None:
+    import threading
+
+    from agent.envoy.resources import PodListener
+    from agent.envoy.sink import EnvoySink
+    sink = EnvoySink.__new__(EnvoySink)  # its state only: no Envoy, no xDS server
+    sink._lock = threading.Lock()
+    policy = parse_policy(ALLOW_A)
+    sink._pods = {"c1": PodListener("c1", "/n1", authz=(policy,)),
+                  "c2": PodListener("c2", "/n2", authz=(policy,))}
+    sink._pod_keys = {"c1": "app/known", "c2": "app/registering"}
+    sink._pod_labels = {"c2": {"app": "echo"}}
+    sink.authz_for = lambda ns, labels: (policy,) if labels.get("app") == "echo" else ()
+    # the mesh holds only app/known, which no policy selects any more
+    assert sink.set_authz({}, frozenset({"app/known"})) == 1
+    assert sink._pods["c1"].authz == () and sink._pods["c2"].authz == (policy,)
+    # no policy at all: every pod, known or not
+    assert sink.set_authz({}, None) == 1 and sink._pods["c2"].authz == ()
+    # a listener inserted after a policy change gets the policies as they are now
+    assert sink._current_authz("c2", PodListener("c2", "/n2")).authz == (policy,)

@@ -156,6 +156,7 @@ class EnvoySink:
         # (so its first listener already enforces them)
         self._authz: dict[str, tuple[Policy, ...]] = {}
         self._pod_keys: dict[str, str] = {}  # container id -> pod key
+        self._pod_labels: dict[str, dict[str, str]] = {}  # as its ADD read them
         self.authz_for: Callable[[str, dict[str, str]], tuple[Policy, ...]] | None = None
         self.xds.inbound.resolve = self._identity_of_listener
         # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
@@ -608,6 +609,8 @@ class EnvoySink:
         listener = replace(listener, authz=self._policies_of(pod))
         with self._lock:
             self._pod_keys[pod.container_id] = pod.key
+            if pod.labels is not None:
+                self._pod_labels[pod.container_id] = dict(pod.labels)
         if self.identity is not None:
             # issued before the listeners that name it: Envoy gets the secret first
             self.identity.attach(listener.identity, pod.key)
@@ -618,6 +621,15 @@ class EnvoySink:
         self._confirm(version, f"listener {listener_name(pod)} for {pod.key}", pod.container_id,
                       started, pushed)
 
+    def _current_authz(self, cid: str, lis: PodListener) -> PodListener:
+        """``lis`` with the policies as they are now (a policy may have changed since its
+        ADD resolved them): from the labels the ADD read, when it read them."""
+        labels, resolve = self._pod_labels.get(cid), self.authz_for
+        if labels is None or resolve is None:
+            return lis
+        want = resolve(lis.namespace, labels)
+        return lis if want == lis.authz else replace(lis, authz=want)
+
     def _policies_of(self, pod: CapturedPod) -> tuple[Policy, ...]:
         """The policies selecting ``pod`` at its ADD: from its labels when the ADD read them,
         else as the mesh last published them."""
@@ -627,14 +639,20 @@ class EnvoySink:
         with self._lock:
             return self._authz.get(pod.key, ())
 
-    def set_authz(self, by_pod: dict[str, tuple[Policy, ...]]) -> int:
+    def set_authz(self, by_pod: dict[str, tuple[Policy, ...]],
+                  known: frozenset[str] | None = None) -> int:
         """The policies selecting each local pod (pod key → policies; absent: none), applied
-        at the next publish (``set_services`` follows). Returns how many pods changed."""
+        at the next publish (``set_services`` follows). ``known``: the pods the mesh model
+        holds (None: all); one it does not hold yet keeps what its ADD resolved. Returns how
+        many pods changed."""
         changed = 0
         with self._lock:
             self._authz = by_pod
             for cid, lis in list(self._pods.items()):
-                want = by_pod.get(self._pod_keys.get(cid, ""), ())
+                key = self._pod_keys.get(cid, "")
+                if known is not None and key not in known:
+                    continue
+                want = by_pod.get(key, ())
                 if lis.authz != want:
                     self._pods[cid] = replace(lis, authz=want)
                     changed += 1
@@ -702,7 +720,7 @@ class EnvoySink:
             with self._lock:
                 for cid, lis in incoming.items():
                     self._rejected.pop(cid, None)
-                    self._pods[cid] = lis
+                    self._pods[cid] = self._current_authz(cid, lis)
                 version = self._publish()
             pushed = time.monotonic()
             self._await_envoy(version, deadline)
@@ -819,6 +837,7 @@ class EnvoySink:
         with self._lock:
             self._rejected.pop(pod.container_id, None)
             self._pod_keys.pop(pod.container_id, None)
+            self._pod_labels.pop(pod.container_id, None)
             gone = self._pods.pop(pod.container_id, None)
             if gone is None:
                 return
