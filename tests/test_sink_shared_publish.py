@@ -12,6 +12,7 @@ class _Sink:
     """The parts of EnvoySink that _publish_shared uses, with a slow fake publish."""
 
     _publish_shared = EnvoySink._publish_shared
+    _current_authz = EnvoySink._current_authz
 
     def __init__(self, fail_first: bool = False, publish_s: float = 0.05,
                  ack_s: float = 0.0) -> None:
@@ -25,6 +26,8 @@ class _Sink:
         self._batch_busy = False
         self._incoming: dict[str, object] = {}
         self._pods: dict[str, object] = {}
+        self._pod_labels: dict[str, dict[str, str]] = {}
+        self.authz_for = None
         self._rejected: dict[str, str] = {"p3": "an earlier NACK"}
         self.shared_publishes = 0
         self.published: list[frozenset[str]] = []
