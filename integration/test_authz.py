@@ -30,8 +30,8 @@ from integration.conftest import EnvoyNode, running
 from integration.conftest import until as poll_until
 
 TD = "cluster.local"
-HTTP_IP, TCP_IP = "10.96.71.10", "10.96.71.11"
-DEPS = {"aether.io/dependencies": "app/echo,app/echo-tcp"}
+HTTP_IP, TCP_IP, AUTO_IP = "10.96.71.10", "10.96.71.11", "10.96.71.12"
+DEPS = {"aether.io/dependencies": "app/echo,app/echo-tcp,app/echo-auto"}
 
 
 class _Server:
@@ -118,12 +118,17 @@ class World:
              "metadata": {"name": "echo-tcp", "namespace": "app"},
              "spec": {"clusterIP": TCP_IP, "clusterIPs": [TCP_IP], "selector": {"app": "echo"},
                       "ports": [{"name": "tcp", "port": 9000, "targetPort": 9000},
-                                {"name": "banner", "port": 9100, "targetPort": 9100}]}}])
+                                {"name": "banner", "port": 9100, "targetPort": 9100}]}},
+            # the HTTP server again, undeclared: its HTTP is detected at the server's node
+            {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "echo-auto", "namespace": "app"},
+             "spec": {"clusterIP": AUTO_IP, "clusterIPs": [AUTO_IP], "selector": {"app": "echo"},
+                      "ports": [{"name": "web", "port": 81, "targetPort": 8080}]}}])
         self.server = node.pod(name="server", labels={"app": "echo"}, service_account="server")
         self.a = node.pod(name="a", service_account="a", annotations=DEPS)
         self.b = node.pod(name="b", service_account="b", annotations=DEPS)
         self.c = node.pod(namespace="other", name="c", service_account="c",
-                          annotations={"aether.io/dependencies": "app/echo,app/echo-tcp"})
+                          annotations=DEPS)
         self.outsider = node.pod(namespace="plain", name="outsider")
         for p in (self.server, self.a, self.b, self.c, self.outsider):
             node.add(p)
@@ -140,6 +145,13 @@ class World:
             ) -> tuple[int, bytes]:
         status, _h, body = http_get_from(pod.netns, HTTP_IP, 80, path=path, headers=headers,
                                          timeout=5)[0]
+        return status, body
+
+    def auto(self, pod: Pod, path: str = "/", method: str = "GET",
+             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """A request over echo-auto (undeclared: detected as HTTP)."""
+        status, _h, body = http_get_from(pod.netns, AUTO_IP, 81, path=path, headers=headers,
+                                         timeout=5, method=method)[0]
         return status, body
 
     def echo(self, pod: Pod, payload: bytes = b"ping") -> bytes:
@@ -185,6 +197,7 @@ def world(anode: EnvoyNode) -> Iterator[World]:
         for p in (w.a, w.b, w.c):
             until(lambda p=p: w.get(p)[0] == 200, f"{p.name} never reached the server", 30)
             assert w.echo(p) == b"ping"
+            assert w.auto(p)[0] == 200
         yield w
     finally:
         w.close()
@@ -295,6 +308,50 @@ def test_deny_a_path_and_a_second_allow_for_a_namespace(world: World) -> None:
     assert w.get(w.b)[0] == 403 and w.echo(w.b) == b""
     # the path DENY is gone with its policy
     assert w.get(w.a, "/admin/x")[0] == 200
+
+
+def test_http_fields_apply_on_an_undeclared_port_once_its_http_is_detected(
+        world: World) -> None:
+    w = world
+    w.policies(policy("a-reads", {"rules": [
+        {"from": [{"source": {"principals": [f"{TD}/ns/app/sa/a"]}}],
+         "to": [{"operation": {"methods": ["GET"]}}]}]}),
+        policy("no-admin", {"action": "DENY", "rules": [
+            {"to": [{"operation": {"paths": ["/admin*"]}}]}]}))
+    until(lambda: w.auto(w.a, "/admin/x")[0] == 403, "the DENY did not apply within 5 s")
+    # the requests are judged, not the connection: a 403 with a short body, and the rest
+    status, body = w.auto(w.a, "/public")
+    assert status == 200 and json.loads(body)["pod"] == "server", body
+    status, body = w.auto(w.a, "/public", method="POST")
+    assert status == 403 and len(body) < 100, body
+    assert w.auto(w.b)[0] == 403
+    assert w.auto(w.c)[0] == 403
+    # the caller's identity comes from its certificate, past the detection hop too
+    forged = {"x-forwarded-client-cert": f"By=x;URI=spiffe://{TD}/ns/app/sa/a"}
+    assert w.auto(w.b, headers=forged)[0] == 403
+    seen = json.loads(w.auto(w.a, "/x")[1])["headers"]["x-forwarded-client-cert"]
+    assert seen.endswith(f"URI=spiffe://{TD}/ns/app/sa/a"), seen
+    # what is not HTTP on an undeclared port is judged as L4: the ALLOW needing GET matches
+    # nothing there (fail closed), so not a byte reaches the echo
+    before = len(w.tcp.received)
+    assert w.echo(w.a, b"not-http") == b""
+    time.sleep(0.3)
+    assert len(w.tcp.received) == before
+    # the declared port decides the same
+    assert w.get(w.a, "/admin")[0] == 403 and w.get(w.a)[0] == 200
+    # counted under the policies, detected requests included
+    def count(policy_: str, action: str, decision: str) -> float:
+        text = w.node.agent.http("/metrics")[1]
+        labels = (f'action="{action}",decision="{decision}",dst_namespace="app",'
+                  f'dst_workload="server",policy="{policy_}"')
+        m = re.search(r"aether_authz_decisions_total\{" + re.escape(labels) + r"\} (\S+)", text)
+        return float(m.group(1)) if m else -1.0
+    until(lambda: count("app/no-admin", "DENY", "deny") >= 2, "the denials were not counted")
+    # policies without HTTP fields again: the pod's own detection listener goes, and the
+    # undeclared port is judged as L4 once more
+    w.policies(ALLOW_A)
+    until(lambda: w.echo(w.a) == b"ping", "the TCP echo was not allowed again within 5 s")
+    assert w.auto(w.a, "/admin/x")[0] == 200 and w.auto(w.b)[0] == 0
 
 
 def test_an_open_connection_is_closed_once_no_policy_allows_it(world: World) -> None:

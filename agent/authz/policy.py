@@ -326,6 +326,13 @@ def effective_rules(policy: Policy, http: bool) -> tuple[Rule, ...] | None:
     return tuple(out)
 
 
+def needs_http(policies: Sequence[Policy]) -> bool:
+    """Whether any of ``policies`` names an HTTP attribute: the pod's undeclared ports then
+    get their HTTP detected ahead of the decision, in a detection listener of its own."""
+    return any(o.needs_http for p in policies if p.error is None
+               for r in p.rules for o in r.operations)
+
+
 def policy_matches(policy: Policy, req: Request) -> bool:
     rules = effective_rules(policy, req.http)
     if rules is None:

@@ -6,24 +6,48 @@ is the inbound hop's server name (the caller's proxy names the target port there
 filter per DENY policy, one for the ALLOW policies together (present whenever an ALLOW policy
 selects the pod: with no policy matching it denies), one per AUDIT policy as shadow rules
 (counted, never enforced), in Istio's order.
+
+Where each attribute is read depends on where the filter runs (``Vantage``): the mTLS
+inbound listener (the TLS connection itself), the judging listener (plaintext, the restored
+destination) or a pod's detection listener past an internal hop (``DETECTED``), where the
+peer's verified ID is a filter-state object the inbound listener set from the certificate.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from envoy.config.rbac.v3 import rbac_pb2
 from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as http_rbac_pb2
 from envoy.extensions.filters.network.rbac.v3 import rbac_pb2 as net_rbac_pb2
-from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
+from envoy.type.matcher.v3 import filter_state_pb2, path_pb2, regex_pb2, string_pb2
 
 from agent.authz.policy import ALLOW, AUDIT, DENY, Operation, Policy, Source, effective_rules
 
 NETWORK_RBAC = "envoy.filters.network.rbac"
 HTTP_RBAC = "envoy.filters.http.rbac"
 _ACTIONS = {DENY: rbac_pb2.RBAC.DENY, ALLOW: rbac_pb2.RBAC.ALLOW, AUDIT: rbac_pb2.RBAC.LOG}
+
+
+@dataclass(frozen=True)
+class Vantage:
+    """Where a filter reads what it decides on. ``sni_port``: the port is the hop's server
+    name (the mTLS inbound, whose local port is the inbound port), else the connection's
+    (restored) destination port; ``peer_state``: the filter-state key holding the verified
+    peer ID (past an internal hop, where no certificate is at hand), else the connection's
+    peer certificate; ``direct_ip``: the caller's address is the socket peer's (else the
+    restored remote address, as an internal listener sees it)."""
+
+    sni_port: bool = True
+    peer_state: str | None = None
+    direct_ip: bool = True
+
+
+MTLS = Vantage()
+PLAINTEXT = Vantage(sni_port=False)
 
 
 def _glob(pattern: str, prefix: str = "", ignore_case: bool = False) -> string_pb2.StringMatcher:
@@ -61,7 +85,10 @@ def _ns_regex(pattern: str) -> string_pb2.StringMatcher:
         regex=f"spiffe://[^/]+/ns/{ns}/sa/[^/]+"))
 
 
-def _principal_id(m: string_pb2.StringMatcher) -> rbac_pb2.Principal:
+def _principal_id(m: string_pb2.StringMatcher, at: Vantage = MTLS) -> rbac_pb2.Principal:
+    if at.peer_state is not None:
+        return rbac_pb2.Principal(filter_state=filter_state_pb2.FilterStateMatcher(
+            key=at.peer_state, string_match=m))
     return rbac_pb2.Principal(authenticated=rbac_pb2.Principal.Authenticated(principal_name=m))
 
 
@@ -70,15 +97,18 @@ def _any_id(ids: Sequence[rbac_pb2.Principal]) -> rbac_pb2.Principal:
         or_ids=rbac_pb2.Principal.Set(ids=list(ids)))
 
 
-def _cidr_id(block: str) -> rbac_pb2.Principal:
+def _cidr_id(block: str, at: Vantage = MTLS) -> rbac_pb2.Principal:
     from envoy.config.core.v3 import address_pb2
     ip, _, plen = block.partition("/")
     cidr = address_pb2.CidrRange(address_prefix=ip)
     cidr.prefix_len.value = int(plen)
+    if not at.direct_ip:
+        return rbac_pb2.Principal(remote_ip=cidr)
     return rbac_pb2.Principal(direct_remote_ip=cidr)
 
 
-def source_principal(s: Source, trust_domain: str | None = None) -> rbac_pb2.Principal:
+def source_principal(s: Source, trust_domain: str | None = None, at: Vantage = MTLS
+                     ) -> rbac_pb2.Principal:
     parts: list[rbac_pb2.Principal] = []
 
     def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
@@ -87,11 +117,11 @@ def source_principal(s: Source, trust_domain: str | None = None) -> rbac_pb2.Pri
         if no:
             parts.append(rbac_pb2.Principal(not_id=_any_id(no)))
 
-    pair([_principal_id(_glob(p, "spiffe://")) for p in s.principals],
-         [_principal_id(_glob(p, "spiffe://")) for p in s.not_principals])
-    pair([_principal_id(_ns_matcher(n, trust_domain)) for n in s.namespaces],
-         [_principal_id(_ns_matcher(n, trust_domain)) for n in s.not_namespaces])
-    pair([_cidr_id(b) for b in s.ip_blocks], [_cidr_id(b) for b in s.not_ip_blocks])
+    pair([_principal_id(_glob(p, "spiffe://"), at) for p in s.principals],
+         [_principal_id(_glob(p, "spiffe://"), at) for p in s.not_principals])
+    pair([_principal_id(_ns_matcher(n, trust_domain), at) for n in s.namespaces],
+         [_principal_id(_ns_matcher(n, trust_domain), at) for n in s.not_namespaces])
+    pair([_cidr_id(b, at) for b in s.ip_blocks], [_cidr_id(b, at) for b in s.not_ip_blocks])
     if not parts:
         return rbac_pb2.Principal(any=True)
     return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
@@ -112,9 +142,7 @@ def _path(pattern: str) -> rbac_pb2.Permission:
     return rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=_glob(pattern)))
 
 
-def operation_permission(o: Operation, sni_port: bool = True) -> rbac_pb2.Permission:
-    """``sni_port``: the port is the hop's server name (the mTLS inbound, where the local
-    port is the inbound port); else the restored destination port (plaintext, judged)."""
+def operation_permission(o: Operation, at: Vantage = MTLS) -> rbac_pb2.Permission:
     parts: list[rbac_pb2.Permission] = []
 
     def pair(yes: Sequence[rbac_pb2.Permission], no: Sequence[rbac_pb2.Permission]) -> None:
@@ -124,7 +152,7 @@ def operation_permission(o: Operation, sni_port: bool = True) -> rbac_pb2.Permis
             parts.append(rbac_pb2.Permission(not_rule=_any_perm(no)))
 
     def port(p: int) -> rbac_pb2.Permission:
-        if not sni_port:
+        if not at.sni_port:
             return rbac_pb2.Permission(destination_port=p)
         return rbac_pb2.Permission(requested_server_name=string_pb2.StringMatcher(exact=str(p)))
 
@@ -140,7 +168,7 @@ def operation_permission(o: Operation, sni_port: bool = True) -> rbac_pb2.Permis
         and_rules=rbac_pb2.Permission.Set(rules=parts))
 
 
-def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bool = True,
+def rbac_rules(policies: Sequence[Policy], action: str, http: bool, at: Vantage = MTLS,
                trust_domain: str | None = None) -> rbac_pb2.RBAC | None:
     """The Envoy RBAC of the ``action`` policies among ``policies``, as enforced on an HTTP
     chain (``http``) or an L4 one; None when no such policy selects the pod."""
@@ -156,9 +184,9 @@ def rbac_rules(policies: Sequence[Policy], action: str, http: bool, sni_port: bo
             continue
         for i, r in enumerate(rules):
             pol = out.policies[f"{p.key}[{i}]"]
-            pol.permissions.extend([operation_permission(o, sni_port) for o in r.operations]
+            pol.permissions.extend([operation_permission(o, at) for o in r.operations]
                                    or [rbac_pb2.Permission(any=True)])
-            pol.principals.extend([source_principal(s, trust_domain) for s in r.sources]
+            pol.principals.extend([source_principal(s, trust_domain, at) for s in r.sources]
                                   or [rbac_pb2.Principal(any=True)])
     return out
 
@@ -167,7 +195,7 @@ STAT_ROOT = "aether_authz"
 ANY_ALLOW = "any"  # the tag of the one ALLOW filter (its policies are alternatives)
 
 
-def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = True,
+def _rules_in_order(policies: Sequence[Policy], http: bool, at: Vantage = MTLS,
                     trust_domain: str | None = None) -> list[tuple[str, str, rbac_pb2.RBAC]]:
     """(action, tag, RBAC) of each filter, in Istio's order: one per DENY policy (so each
     denial is counted under its policy), one for every ALLOW policy together (a request
@@ -180,7 +208,7 @@ def _rules_in_order(policies: Sequence[Policy], http: bool, sni_port: bool = Tru
         else:
             groups = [(str(i), [p]) for i, p in enumerate(policies) if p.action == action]
         for tag, chosen in groups:
-            rules = rbac_rules(chosen, action, http, sni_port, trust_domain)
+            rules = rbac_rules(chosen, action, http, at, trust_domain)
             if rules is not None:
                 out.append((action, tag, rules))
     return out
@@ -200,25 +228,25 @@ def _audit_as_shadow(rules: rbac_pb2.RBAC) -> rbac_pb2.RBAC:
     return shadow
 
 
-def network_rbac_filters(policies: Sequence[Policy], sni_port: bool = True, scope: str = "",
+def network_rbac_filters(policies: Sequence[Policy], at: Vantage = MTLS, scope: str = "",
                          trust_domain: str | None = None) -> list[net_rbac_pb2.RBAC]:
     """The network RBAC filters of an L4 inbound chain, in order (DENY, ALLOW, AUDIT);
     ``scope`` (the pod's listener uid) names their stats, which are node-wide."""
     out = []
-    for action, tag, rules in _rules_in_order(policies, False, sni_port, trust_domain):
+    for action, tag, rules in _rules_in_order(policies, False, at, trust_domain):
         prefix = stat_prefix(scope, action, tag)
         out.append(net_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules), stat_prefix=prefix)
                    if action == AUDIT else net_rbac_pb2.RBAC(rules=rules, stat_prefix=prefix))
     return out
 
 
-def _merged_in_order(policies: Sequence[Policy], trust_domain: str | None = None
-                     ) -> list[tuple[str, rbac_pb2.RBAC]]:
+def _merged_in_order(policies: Sequence[Policy], trust_domain: str | None = None,
+                     at: Vantage = MTLS) -> list[tuple[str, rbac_pb2.RBAC]]:
     """(action, RBAC of every policy of that action) in Istio's order, as enforced with
     HTTP attributes."""
     out = []
     for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, True, trust_domain=trust_domain)
+        rules = rbac_rules(policies, action, True, at, trust_domain)
         if rules is not None:
             out.append((action, rules))
     return out
@@ -227,14 +255,14 @@ def _merged_in_order(policies: Sequence[Policy], trust_domain: str | None = None
 MERGED = "all"  # the tag of a filter holding every DENY (or AUDIT) policy of a pod
 
 
-def http_rbac_filters(policies: Sequence[Policy], trust_domain: str | None = None
-                      ) -> list[http_rbac_pb2.RBAC]:
+def http_rbac_filters(policies: Sequence[Policy], trust_domain: str | None = None,
+                      at: Vantage = MTLS) -> list[http_rbac_pb2.RBAC]:
     """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order; their
     stats live under the chain's HTTP connection manager's. Each filter costs CPU on every
     request, so here the policies of an action share one filter (at most three), counted
     per policy by Envoy's per-rule stats (``track_per_rule_stats``)."""
     out = []
-    for action, rules in _merged_in_order(policies, trust_domain):
+    for action, rules in _merged_in_order(policies, trust_domain, at):
         tag = ANY_ALLOW if action == ALLOW else MERGED
         prefix = stat_prefix("", action, tag)
         f = (http_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules),

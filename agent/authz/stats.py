@@ -4,7 +4,8 @@ The inbound filters (``agent.authz.rbac``) name their stats by the pod's listene
 action and a tag (the policy's index among the pod's, or ``any`` for the ALLOW set):
 
 * network (L4 chains, the judging listener): ``aether_authz.<uid>.<action>.<tag>.rbac.<r>``
-* HTTP: ``http.inbound-<uid>-http.rbac.aether_authz.allow.any.<r>``, and for the DENY and
+* HTTP: ``http.inbound-<uid>-http.rbac.aether_authz.allow.any.<r>`` (a pod's own detection
+  listener: ``http.inbound-detect-<uid>.…``), and for the DENY and
   AUDIT filters, which hold all the pod's policies of their action (``all``), Envoy's
   per-rule ``….aether_authz.<action>.all.policy.<ns>/<name>[<rule>].<r>``
 
@@ -25,12 +26,13 @@ from agent.authz.rbac import ANY_ALLOW
 
 _NET = re.compile(r"^aether_authz\.(?P<uid>[^.]+)\.(?P<action>deny|allow|audit)\."
                   r"(?P<tag>[^.]+)\.rbac\.(?P<result>[a-z_]+)$")
-_HTTP = re.compile(r"^http\.inbound-(?P<uid>[^.]+)-http\.rbac\.aether_authz\."
-                   r"(?P<action>allow)\.(?P<tag>any)\.(?P<result>[a-z_]+)$")
+# the HCM of a pod's declared HTTP chain (``inbound-<uid>-http``) or of its own detection
+# listener (``inbound-detect-<uid>``)
+_HCM = r"^http\.inbound-(?:detect-(?P<detected>[^.]+)|(?P<uid>[^.]+)-http)\.rbac\.aether_authz\."
+_HTTP = re.compile(_HCM + r"(?P<action>allow)\.(?P<tag>any)\.(?P<result>[a-z_]+)$")
 # the HTTP chain's DENY and AUDIT filters hold every policy of their action; Envoy's per-rule
 # stats name the policy (``<ns>/<name>[<rule>]``; an unreadable one without the rule)
-_HTTP_RULE = re.compile(r"^http\.inbound-(?P<uid>[^.]+)-http\.rbac\.aether_authz\."
-                        r"(?P<action>deny|audit)\.all\.policy\.(?P<policy>[^/]+/[^\[]+)"
+_HTTP_RULE = re.compile(_HCM + r"(?P<action>deny|audit)\.all\.policy\.(?P<policy>[^/]+/[^\[]+)"
                         r"(?:\[\d+\])?\.(?P<result>[a-z_]+)$")
 STATS_FILTER = r"aether_authz\."
 
@@ -58,11 +60,12 @@ def decisions(stats: Iterable[tuple[str, int]],
         if m is None:
             continue
         decision = _COUNTED.get((m["action"], m["result"]))
-        pod = pods.get(m["uid"])
+        groups = m.groupdict()
+        pod = pods.get(groups.get("detected") or m["uid"])
         if decision is None or pod is None:
             continue
         ns, workload, policies = pod
-        tag = m.groupdict().get("tag")
+        tag = groups.get("tag")
         if tag is None:  # a per-rule stat: the policy by name
             policy = m["policy"]
         elif tag == ANY_ALLOW:

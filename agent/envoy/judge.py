@@ -18,7 +18,7 @@ from envoy.config.core.v3 import address_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 
 from agent.authz.policy import Policy
-from agent.authz.rbac import NETWORK_RBAC, network_rbac_filters
+from agent.authz.rbac import NETWORK_RBAC, PLAINTEXT, network_rbac_filters
 from agent.envoy.mtls import (
     INBOUND_DELIVER_CLUSTER,
     ORIGINAL_DST_ADDRESS_STATE,
@@ -62,7 +62,7 @@ def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
                     f"{deliver_target(ips)}:%DOWNSTREAM_LOCAL_PORT%"),
         state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
     rbac = []
-    for cfg in network_rbac_filters(policies, sni_port=False, scope=uid):
+    for cfg in network_rbac_filters(policies, PLAINTEXT, scope=uid):
         f = listener_components_pb2.Filter(name=NETWORK_RBAC)
         f.typed_config.Pack(cfg)
         rbac.append(f)

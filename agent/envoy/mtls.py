@@ -73,8 +73,14 @@ from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2, secret_pb2, tls_pb2
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from agent.authz.policy import Policy
-from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, http_rbac_filters, network_rbac_filters
+from agent.authz.policy import Policy, needs_http
+from agent.authz.rbac import (
+    HTTP_RBAC,
+    NETWORK_RBAC,
+    Vantage,
+    http_rbac_filters,
+    network_rbac_filters,
+)
 from agent.envoy.golden import inbound_stats_log
 from agent.envoy.http_routes import (
     HTTP_HOP_STATE,
@@ -117,6 +123,14 @@ INBOUND_LISTENER_PREFIX = "inbound-"
 # closed with data unread; the bootstrap turns that off, see bootstrap.py.)
 INBOUND_DETECT = "inbound-detect"
 INBOUND_DELIVER_CLUSTER = "inbound-deliver"
+# A pod whose AuthorizationPolicies name HTTP attributes (methods, paths, hosts) gets a
+# detection listener of its own, ``inbound-detect-<uid>``, that decides after detecting: on
+# the requests when HTTP, on the connection otherwise. Its caller's verified ID comes from
+# the PROXY header (read into ``PEER_ID_STATE``) and the port the caller named from the
+# address the original_dst listener filter restores (``LOCAL_DST_STATE``).
+PEER_ID_STATE = "aether.peer"
+LOCAL_DST_STATE = "envoy.filters.listener.original_dst.local_ip"
+DETECTED = Vantage(sni_port=False, peer_state=PEER_ID_STATE, direct_ip=False)
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
 # backend SAN and server name (set in mtls-out for its upstream).
@@ -174,6 +188,16 @@ def mtls_cluster_name(identity: str) -> str:
 
 def inbound_listener_name(uid: str) -> str:
     return f"{INBOUND_LISTENER_PREFIX}{uid}"
+
+
+def pod_detect_name(uid: str) -> str:
+    """The detection listener (and its cluster) of a pod whose policies name HTTP fields."""
+    return f"{INBOUND_DETECT}-{uid}"
+
+
+def detects_own(policies: Sequence[Policy]) -> bool:
+    """Whether a pod's undeclared ports are judged in its own detection listener."""
+    return needs_http(policies)
 
 
 def host_port(ip: str, port: int) -> str:
@@ -424,11 +448,16 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         tcp.max_early_data_bytes.value = 0  # nothing is read before the handshake is done
         return tcp
 
+    own_detect = detects_own(policies)
+
     def detect(family: str) -> listener_components_pb2.FilterChain:
         # where inbound-detect delivers, crossing it (transitive): the pod's own address
-        # and netns, the port the caller named
+        # and netns, the port the caller named. With a detection listener of its own, the
+        # policies are decided there, after detection (the address it restores names the
+        # port); here they would judge HTTP requests as bytes.
         state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path, TRANSITIVE,
-                               destination=f"{workload or uid}|%REQUESTED_SERVER_NAME%")
+                               destination=f"{workload or uid}|%REQUESTED_SERVER_NAME%",
+                               local=own_detect)
         tcp = after_handshake()
         for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
                               (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%")):
@@ -436,7 +465,9 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
             tlv.format_string.text_format_source.inline_string = fmt
         return listener_components_pb2.FilterChain(
             name=f"mtls-v{family}", filter_chain_match=match(family, application_protocols=[MESH_ALPN]),
-            filters=[state, *l4_rbac, tcp_proxy_filter(name, INBOUND_DETECT, *logs, config=tcp)],
+            filters=[state, *([] if own_detect else l4_rbac),
+                     tcp_proxy_filter(name, pod_detect_name(uid) if own_detect else INBOUND_DETECT,
+                                      *logs, config=tcp)],
             transport_socket=terminate())
 
     def direct_state() -> listener_components_pb2.Filter:
@@ -497,14 +528,17 @@ def deliver_target(ips: Sequence[str]) -> str:
 
 
 def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ONCE,
-                   destination: str = "") -> listener_components_pb2.Filter:
+                   destination: str = "", local: bool = False) -> listener_components_pb2.Filter:
     """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns;
     ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between, which also
-    gets ``destination`` (``DESTINATION_STATE``)."""
+    gets ``destination`` (``DESTINATION_STATE``) and, with ``local``, the same address as
+    its connection's local one (``LOCAL_DST_STATE``: the port its policies judge)."""
     values = [state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}", shared=shared),
               state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared)]
     if destination:
         values.append(state_value(DESTINATION_STATE, destination, STRING_STATE_FACTORY, shared))
+    if local:
+        values.append(state_value(LOCAL_DST_STATE, f"{target}:{port_fmt}", shared=ONCE))
     return set_filter_state(*values)
 
 
@@ -553,13 +587,19 @@ def _sock(ip: str, port: int, netns_path: str) -> address_pb2.Address:
         address=ip, port_value=port, network_namespace_filepath=netns_path))
 
 
-def build_inbound_detect_listener() -> listener_pb2.Listener:
+def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = (),
+                                  trust_domain: str | None = None) -> listener_pb2.Listener:
     """``inbound-detect``, the node's internal listener for mesh connections on ports with
     no appProtocol: reads the PROXY v2 header the inbound listener sent (both SPIFFE IDs),
     detects HTTP (its requests get ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's
     id>``, any XFCC the caller sent removed first) and delivers everything to the address
     and netns the inbound listener put in filter state: the pod's own address, the port
-    the caller named. Internal: no pod can connect to it, so no pod can write the header."""
+    the caller named. Internal: no pod can connect to it, so no pod can write the header.
+
+    With ``uid``: the pod's own, ``inbound-detect-<uid>``, enforcing ``policies`` (the pod's
+    AuthorizationPolicies, some naming HTTP fields) with the caller's ID from the header:
+    HTTP RBAC on the detected requests (a denial is a 403), network RBAC on what is not
+    HTTP (L4: an ALLOW needing HTTP matches nothing there)."""
     from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
     pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
     for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local")):
@@ -570,30 +610,48 @@ def build_inbound_detect_listener() -> listener_pb2.Listener:
     inspector = listener_components_pb2.ListenerFilter(
         name="envoy.filters.listener.http_inspector")
     inspector.typed_config.Pack(http_inspector_pb2.HttpInspector())
+    name = pod_detect_name(uid) if uid else INBOUND_DETECT
+    peer = f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%"
+    pre: list[listener_components_pb2.Filter] = []
+    http_rbac: list[hcm_pb2.HttpFilter] = []
+    l4_rbac: list[listener_components_pb2.Filter] = []
+    if uid:
+        # the caller's ID as a plain string for RBAC to match (the header has been read by
+        # now: listener filters run first); unset when the caller sent none
+        pre = [set_filter_state(state_value(PEER_ID_STATE, peer, STRING_STATE_FACTORY,
+                                            NOT_SHARED, skip_if_empty=True))]
+        http_rbac = [_http_filter(HTTP_RBAC, f)
+                     for f in http_rbac_filters(policies, trust_domain, DETECTED)]
+        l4_rbac = [_network_filter(NETWORK_RBAC, f) for f in network_rbac_filters(
+            policies, DETECTED, scope=uid, trust_domain=trust_domain)]
     # its requests are counted here (the caller's proxy did not parse them: it sent them
     # as bytes on an undeclared port), by the caller's SPIFFE ID and the pod's workload
-    hcm_filter = _deliver_hcm(INBOUND_DETECT, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%",
-                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%",
-                              [inbound_stats_log(f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:peer)%",
-                                                 f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")])
+    hcm_filter = _deliver_hcm(name, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%", peer,
+                              [inbound_stats_log(peer,
+                                                 f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")],
+                              http_rbac)
     http_chain = listener_components_pb2.FilterChain(
-        name="http", filters=[hcm_filter],
+        name="http", filters=[*pre, hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(
             application_protocols=["http/1.1", "h2c"]))
+    # the pod's own restores the address the caller named (its port is what RBAC judges)
+    # after the header's (the inbound listener's own address)
+    restore = [original_dst_filter()] if uid else []
     return listener_pb2.Listener(
-        name=INBOUND_DETECT, stat_prefix=INBOUND_DETECT,
+        name=name, stat_prefix=name,
         internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=[ppf, inspector],
+        listener_filters=[ppf, *restore, inspector],
         listener_filters_timeout=duration(DETECT_TIMEOUT_S),
         continue_on_listener_filters_timeout=True,
         filter_chains=[http_chain],
         default_filter_chain=listener_components_pb2.FilterChain(
-            name="tcp", filters=[tcp_proxy_filter(INBOUND_DETECT, INBOUND_DELIVER_CLUSTER)]))
+            name="tcp", filters=[*pre, *l4_rbac, tcp_proxy_filter(name, INBOUND_DELIVER_CLUSTER)]))
 
 
-def build_inbound_detect_cluster(connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """To ``inbound-detect``, with a PROXY v2 header carrying the TLVs the inbound listener
-    set; the shared filter state (where to deliver) crosses with the connection."""
+def build_inbound_detect_cluster(connect_timeout_s: float, uid: str = "") -> cluster_pb2.Cluster:
+    """To ``inbound-detect`` (with ``uid``: the pod's own), with a PROXY v2 header carrying
+    the TLVs the inbound listener set; the shared filter state (where to deliver) crosses
+    with the connection."""
     from envoy.config.core.v3 import proxy_protocol_pb2
     from envoy.extensions.transport_sockets.proxy_protocol.v3 import upstream_proxy_protocol_pb2
     pp = transport_socket("envoy.transport_sockets.upstream_proxy_protocol",
@@ -604,12 +662,13 @@ def build_inbound_detect_cluster(connect_timeout_s: float) -> cluster_pb2.Cluste
                                       match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
                                       tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV])),
                               transport_socket=raw_buffer()))
-    c = cluster_pb2.Cluster(name=INBOUND_DETECT, type=cluster_pb2.Cluster.STATIC,
+    name = pod_detect_name(uid) if uid else INBOUND_DETECT
+    c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.STATIC,
                             connect_timeout=duration(connect_timeout_s),
                             transport_socket=internal_upstream(inner=pp))
-    c.load_assignment.cluster_name = INBOUND_DETECT
+    c.load_assignment.cluster_name = name
     c.load_assignment.endpoints.add().lb_endpoints.add().endpoint.address \
-        .envoy_internal_address.server_listener_name = INBOUND_DETECT
+        .envoy_internal_address.server_listener_name = name
     unlimited_circuit_breakers(c)
     return c
 

@@ -41,12 +41,14 @@ def duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
-def state_value(key: str, fmt: str, factory: str = "", shared: int = ONCE
-                ) -> value_pb2.FilterStateValue:
-    """A filter state object ``key`` made from the format string ``fmt``."""
+def state_value(key: str, fmt: str, factory: str = "", shared: int = ONCE,
+                skip_if_empty: bool = False) -> value_pb2.FilterStateValue:
+    """A filter state object ``key`` made from the format string ``fmt`` (``skip_if_empty``:
+    none when it formats to nothing)."""
     return value_pb2.FilterStateValue(
         object_key=key,
         factory_key=factory,
+        skip_if_empty=skip_if_empty,
         format_string=substitution_format_string_pb2.SubstitutionFormatString(
             text_format_source={"inline_string": fmt}),
         shared_with_upstream=shared,

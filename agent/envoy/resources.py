@@ -987,6 +987,9 @@ class ResourceBuilder:
         self._pod_key: tuple[Any, ...] = ()
         self._pod_out: dict[str, Any] = {}  # every pod's listeners by name
         self._pod_uids: set[str] = set()
+        # uid -> (connect timeout, the cluster to the pod's own detection listener); kept
+        # while the pod is on the node, so a listener still naming it never finds it gone
+        self._detect_clusters: dict[str, tuple[float, cluster_pb2.Cluster]] = {}
         self._ns_count: Counter[str] = Counter()  # pods per caller namespace
         self._by_identity: dict[str, set[PodListener]] = {}  # pods per identity
         self._held: frozenset[str] = frozenset()  # identities with an SVID, last build
@@ -1320,6 +1323,10 @@ class ResourceBuilder:
                     bound(mtls.build_mtls_cluster, identity, tls))
             ns_clusters[mtls.INBOUND_DETECT] = self._fixed(
                 ("inbound-detect", t), lambda: mtls.build_inbound_detect_cluster(t))
+            self._detect_clusters = {u: tc for u, tc in self._detect_clusters.items()
+                                     if u in self._pod_uids}
+            for _t, c in self._detect_clusters.values():
+                ns_clusters[c.name] = c
             ns_clusters[mtls.INBOUND_DELIVER_CLUSTER] = self._fixed(
                 ("inbound-deliver", bind_key), bound(mtls.build_inbound_deliver_cluster))
             secrets = self._secrets_for(tls)
@@ -1399,6 +1406,14 @@ class ResourceBuilder:
                 forbidden_ports=(state.capture_port,), access_log=state.connection_log,
                 workload=f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}",
                 policies=pod.authz)))
+        if tls is not None and has_id and pod.ips and mtls.detects_own(pod.authz):
+            # its policies name HTTP fields: its undeclared ports are judged past detection
+            entries.append((mtls.pod_detect_name(pod.uid), mtls.build_inbound_detect_listener(
+                pod.uid, pod.authz, tls.trust_domain)))
+            t = state.connect_timeout_s
+            if self._detect_clusters.get(pod.uid, (None,))[0] != t:
+                self._detect_clusters[pod.uid] = (
+                    t, mtls.build_inbound_detect_cluster(t, pod.uid))
         if tls is not None and pod.authz and pod.ips:
             # its plaintext callers, steered here by its rules while a policy selects it
             entries.append((judge_listener_name(pod.uid), build_judge_listener(

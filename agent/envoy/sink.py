@@ -765,7 +765,8 @@ class EnvoySink:
             with self._lock:
                 named = [cid for cid in self._pods if any(
                     nack_names(f"{prefix}{cid}", detail)
-                    for prefix in ("capture-", "inbound-", JUDGE_LISTENER_PREFIX))]
+                    for prefix in ("capture-", "inbound-", "inbound-detect-",
+                                   JUDGE_LISTENER_PREFIX))]
                 for cid in named:
                     del self._pods[cid]
                     self._rejected[cid] = detail.strip()

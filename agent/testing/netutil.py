@@ -213,9 +213,10 @@ def http_echo_server(netns: str, addr: str, port: int, pod_name: str, status: in
 
 def http_get_from(netns: str, host: str, port: int, path: str = "/",
                   headers: dict[str, str] | None = None, count: int = 1,
-                  timeout: float = 5.0, request_id: str | None = None
+                  timeout: float = 5.0, request_id: str | None = None, method: str = "GET"
                   ) -> list[tuple[int, dict[str, str], bytes]]:
-    """`count` GETs from inside netns (new connection each): (status, headers, body).
+    """`count` GETs (or ``method``) from inside netns (new connection each): (status,
+    headers, body).
 
     With ``request_id``, request i carries ``x-request-id: <request_id>-<i>``: Envoy keeps
     it, so an access log line (e.g. the mesh's failure log) names the request it is about."""
@@ -229,7 +230,7 @@ def http_get_from(netns: str, host: str, port: int, path: str = "/",
             if request_id is not None:
                 sent["x-request-id"] = f"{request_id}-{i}"
             try:
-                conn.request("GET", path, headers=sent)
+                conn.request(method, path, headers=sent)
                 r = conn.getresponse()
                 out.append((r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()))
             except OSError as e:
