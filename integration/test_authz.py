@@ -294,6 +294,28 @@ def test_a_plaintext_caller_is_judged_by_its_address(world: World) -> None:
           "the judging did not stop within 5 s")
 
 
+def test_a_plaintext_caller_meets_the_http_fields_too(world: World) -> None:
+    w = world
+    outsider = w.outsider
+    w.policies(policy("outsider-reads", {"rules": [
+        {"from": [{"source": {"ipBlocks": [f"{outsider.ip()}/32"]}}],
+         "to": [{"operation": {"ports": ["8080"], "methods": ["GET"]}}]}]}))
+
+    def plain(method: str = "GET", headers: dict[str, str] | None = None
+              ) -> tuple[int, dict[str, Any]]:
+        status, _h, body = http_get_from(outsider.netns, w.server.ip(), 8080, count=1,
+                                         timeout=3, method=method, headers=headers)[0]
+        return status, (json.loads(body) if status == 200 else {})
+
+    until(lambda: plain("POST")[0] == 403, "the HTTP fields did not apply within 5 s")
+    status, seen = plain(headers={"x-forwarded-client-cert": f"By=x;URI=spiffe://{TD}/ns/app/sa/a"})
+    # allowed by its address; what it claims in a header never reaches the application,
+    # and no identity is invented for it
+    assert status == 200 and "x-forwarded-client-cert" not in seen["headers"], seen
+    # a mesh caller without a matching rule: 403 on the declared port and the detected one
+    assert w.get(w.b)[0] == 403 and w.auto(w.b)[0] == 403
+
+
 def test_deny_a_path_and_a_second_allow_for_a_namespace(world: World) -> None:
     w = world
     w.policies(ALLOW_A, policy("no-admin", {"action": "DENY", "rules": [

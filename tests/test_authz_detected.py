@@ -152,3 +152,40 @@ def test_the_detected_requests_decisions_are_counted_under_the_pod() -> None:
     got = decisions(stats, {"c1": ("app", "server", (deny, GET_FROM_A))})
     assert got[Decisions("app", "server", "app/no-admin", "DENY", "deny")] == 3
     assert got[Decisions("app", "server", "*", "ALLOW", "deny")] == 4
+
+
+def test_a_plaintext_caller_is_handed_to_the_pods_own_detection_without_an_identity() -> None:
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+
+    from agent.envoy.judge import build_judge_listener
+    from agent.envoy.pieces import TRANSITIVE
+    lis = build_judge_listener("c1", "/run/netns/c1", ("10.1.0.7",), (GET_FROM_A,), 15006,
+                               detect=True, workload="app/server")
+    chain = lis.filter_chains[0]
+    assert NETWORK_RBAC not in [f.name for f in chain.filters]
+    tcp = tcp_proxy_pb2.TcpProxy()
+    chain.filters[-1].typed_config.Unpack(tcp)
+    assert tcp.cluster == "inbound-detect-c1" and not tcp.proxy_protocol_tlvs
+    cfg = set_filter_state_pb2.Config()
+    chain.filters[0].typed_config.Unpack(cfg)
+    by_key = {v.object_key: v for v in cfg.on_new_connection}
+    assert by_key[mtls.LOCAL_DST_STATE].format_string.text_format_source.inline_string == \
+        "10.1.0.7:%DOWNSTREAM_LOCAL_PORT%"
+    # where to deliver crosses the detection listener
+    assert by_key[mtls.ORIGINAL_DST_ADDRESS_STATE].shared_with_upstream == TRANSITIVE
+    assert by_key[mtls.DESTINATION_STATE].format_string.text_format_source.inline_string == \
+        "app/server|%DOWNSTREAM_LOCAL_PORT%"
+    # the mesh hop sends the whole XFCC value; a plaintext caller sends none, so the
+    # detection listener's requests from it carry no XFCC
+    inbound = mtls.build_inbound_listener("c1", "/run/netns/c1", "app/server", ("10.1.0.7",),
+                                          mtls.MeshTls(TD, {}, "B"), ipv6=False,
+                                          policies=(GET_FROM_A,))
+    chain = next(c for c in inbound.filter_chains if c.name == "mtls-v4")
+    chain.filters[-1].typed_config.Unpack(tcp)
+    assert {t.type for t in tcp.proxy_protocol_tlvs} == {
+        mtls.PEER_ID_TLV, mtls.LOCAL_ID_TLV, mtls.XFCC_TLV}
+    own = mtls.build_inbound_detect_listener("c1", (GET_FROM_A,), TD)
+    hcm = hcm_pb2.HttpConnectionManager()
+    own.filter_chains[0].filters[-1].typed_config.Unpack(hcm)
+    (added,) = hcm.route_config.virtual_hosts[0].routes[0].request_headers_to_add
+    assert added.header.value == f"%FILTER_STATE({mtls.PROXY_TLV_STATE}:FIELD:xfcc)%"

@@ -359,9 +359,9 @@ def decide(policies: Sequence[Policy], req: Request) -> Decision:
 
 
 def l4_notes(policy: Policy) -> list[str]:
-    """How ``policy`` is enforced where there are no HTTP attributes (an L4 port, a
-    plaintext caller judged, an undeclared port before its detection), when that differs
-    from its text: what ``aether-agent status`` reports."""
+    """How ``policy`` is enforced where there are no HTTP attributes (an L4 port, what is
+    not HTTP on an undeclared port), when that differs from its text: what ``aether-agent
+    status`` reports."""
     if policy.error is not None:
         return [f"unreadable ({policy.error}): " + (
             "matches every connection" if policy.action == DENY else

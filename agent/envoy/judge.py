@@ -20,12 +20,17 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from agent.authz.policy import Policy
 from agent.authz.rbac import NETWORK_RBAC, PLAINTEXT, network_rbac_filters
 from agent.envoy.mtls import (
+    DESTINATION_STATE,
     INBOUND_DELIVER_CLUSTER,
+    LOCAL_DST_STATE,
     ORIGINAL_DST_ADDRESS_STATE,
     deliver_target,
+    pod_detect_name,
 )
 from agent.envoy.pieces import (
+    ONCE,
     STRING_STATE_FACTORY,
+    TRANSITIVE,
     UPSTREAM_NETNS_STATE,
     original_dst_filter,
     set_filter_state,
@@ -48,21 +53,31 @@ def judge_listener_name(uid: str) -> str:
 
 def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
                          policies: Sequence[Policy], port: int, ipv4: bool = True,
-                         ipv6: bool = True, access_log: bool = False) -> listener_pb2.Listener:
+                         ipv6: bool = True, access_log: bool = False, detect: bool = False,
+                         workload: str = "") -> listener_pb2.Listener:
     """The pod's judging listener on ``port`` of every family it has, in its netns;
-    ``access_log``: a stdout line per connection, a denial's reason included."""
+    ``access_log``: a stdout line per connection, a denial's reason included. ``detect``:
+    the pod has its own detection listener (its policies name HTTP fields), where these
+    connections are decided too, after detection (an HTTP denial is then a 403); its
+    requests are counted under ``workload`` (``<ns>/<workload>``) as a caller's with no
+    identity."""
     if not ips:
         raise ValueError(f"pod {uid}: no address to deliver to")
     addrs = ([("0.0.0.0", port)] if ipv4 else []) + ([("::", port)] if ipv6 else [])
     if not addrs:
         raise ValueError(f"pod {uid}: at least one of ipv4/ipv6 must be enabled")
     name = judge_listener_name(uid)
-    state = set_filter_state(
-        state_value(ORIGINAL_DST_ADDRESS_STATE,
-                    f"{deliver_target(ips)}:%DOWNSTREAM_LOCAL_PORT%"),
-        state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY))
+    to = f"{deliver_target(ips)}:%DOWNSTREAM_LOCAL_PORT%"
+    shared = TRANSITIVE if detect else ONCE  # past the detection listener, to the pod
+    values = [state_value(ORIGINAL_DST_ADDRESS_STATE, to, shared=shared),
+              state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared)]
+    if detect:
+        values += [state_value(DESTINATION_STATE, f"{workload or uid}|%DOWNSTREAM_LOCAL_PORT%",
+                               STRING_STATE_FACTORY, TRANSITIVE),
+                   state_value(LOCAL_DST_STATE, to)]
+    state = set_filter_state(*values)
     rbac = []
-    for cfg in network_rbac_filters(policies, PLAINTEXT, scope=uid):
+    for cfg in ([] if detect else network_rbac_filters(policies, PLAINTEXT, scope=uid)):
         f = listener_components_pb2.Filter(name=NETWORK_RBAC)
         f.typed_config.Pack(cfg)
         rbac.append(f)
@@ -76,7 +91,7 @@ def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
         listener_filters=[original_dst_filter()],
         filter_chains=[listener_components_pb2.FilterChain(
             name="judged", filters=[state, *rbac, tcp_proxy_filter(
-                name, INBOUND_DELIVER_CLUSTER,
+                name, pod_detect_name(uid) if detect else INBOUND_DELIVER_CLUSTER,
                 *([stdout_access_log(JUDGE_LOG_FORMAT)] if access_log else []))])])
     for a in addrs[1:]:
         lis.additional_addresses.add().address.CopyFrom(sock(*a))

@@ -140,6 +140,10 @@ CALLER_CLUSTER_STATE = "aether.mtls_cluster"
 # only once the handshake is done, after the chain's filter state is set; tcp_proxy formats
 # the TLVs when it connects, which waits for the handshake.
 PEER_ID_TLV, LOCAL_ID_TLV = 0xE0, 0xE1
+# ... and the whole XFCC value, for a pod's own detection listener: a plaintext caller
+# judged there (``agent.envoy.judge``) sends no header, so its requests get no XFCC at all
+# rather than one naming nobody
+XFCC_TLV = 0xE2
 PROXY_TLV_STATE = "envoy.network.proxy_protocol.tlv"
 UPSTREAM_SNI_STATE = "envoy.network.upstream_server_name"
 TCP_PROXY_CLUSTER_STATE = "envoy.tcp_proxy.cluster"
@@ -459,8 +463,11 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
                                destination=f"{workload or uid}|%REQUESTED_SERVER_NAME%",
                                local=own_detect)
         tcp = after_handshake()
-        for tlv_type, fmt in ((PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
-                              (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%")):
+        tlvs = [(PEER_ID_TLV, "%DOWNSTREAM_PEER_URI_SAN%"),
+                (LOCAL_ID_TLV, "%DOWNSTREAM_LOCAL_URI_SAN%")]
+        if own_detect:
+            tlvs.append((XFCC_TLV, XFCC_FORMAT))
+        for tlv_type, fmt in tlvs:
             tlv = tcp.proxy_protocol_tlvs.add(type=tlv_type)
             tlv.format_string.text_format_source.inline_string = fmt
         return listener_components_pb2.FilterChain(
@@ -548,14 +555,18 @@ def _network_filter(name: str, msg: object) -> listener_components_pb2.Filter:
     return f
 
 
+XFCC_FORMAT = "By=%DOWNSTREAM_LOCAL_URI_SAN%;URI=%DOWNSTREAM_PEER_URI_SAN%"
+
+
 def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
                  logs: Sequence[accesslog_pb2.AccessLog] = (),
-                 filters: Sequence[hcm_pb2.HttpFilter] = ()) -> listener_components_pb2.Filter:
+                 filters: Sequence[hcm_pb2.HttpFilter] = (), xfcc_fmt: str = ""
+                 ) -> listener_components_pb2.Filter:
     """The HTTP codec delivering to ``inbound-deliver``: every request gets
-    ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's id>``, any XFCC the caller sent
-    removed first."""
+    ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's id>`` (``xfcc_fmt``: the whole
+    value, none when it formats to nothing), any XFCC the caller sent removed first."""
     xfcc = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=XFCC, value=f"By={by_fmt};URI={uri_fmt}"),
+        header=base_pb2.HeaderValue(key=XFCC, value=xfcc_fmt or f"By={by_fmt};URI={uri_fmt}"),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
     route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
                      request_headers_to_add=[xfcc])
@@ -602,7 +613,8 @@ def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = ()
     HTTP (L4: an ALLOW needing HTTP matches nothing there)."""
     from envoy.extensions.filters.listener.proxy_protocol.v3 import proxy_protocol_pb2
     pp = proxy_protocol_pb2.ProxyProtocol(tlv_location=proxy_protocol_pb2.ProxyProtocol.FILTER_STATE)
-    for tlv_type, key in ((PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local")):
+    tlvs = [(PEER_ID_TLV, "peer"), (LOCAL_ID_TLV, "local")] + ([(XFCC_TLV, "xfcc")] if uid else [])
+    for tlv_type, key in tlvs:
         rule = pp.rules.add(tlv_type=tlv_type)
         rule.on_tlv_present.key = key
     ppf = listener_components_pb2.ListenerFilter(name="envoy.filters.listener.proxy_protocol")
@@ -629,7 +641,8 @@ def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = ()
     hcm_filter = _deliver_hcm(name, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%", peer,
                               [inbound_stats_log(peer,
                                                  f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")],
-                              http_rbac)
+                              http_rbac,
+                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:xfcc)%" if uid else "")
     http_chain = listener_components_pb2.FilterChain(
         name="http", filters=[*pre, hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(
@@ -660,7 +673,8 @@ def build_inbound_detect_cluster(connect_timeout_s: float, uid: str = "") -> clu
                                   version=proxy_protocol_pb2.ProxyProtocolConfig.V2,
                                   pass_through_tlvs=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs(
                                       match_type=proxy_protocol_pb2.ProxyProtocolPassThroughTLVs.INCLUDE,
-                                      tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV])),
+                                      tlv_type=[PEER_ID_TLV, LOCAL_ID_TLV,
+                                                *([XFCC_TLV] if uid else [])])),
                               transport_socket=raw_buffer()))
     name = pod_detect_name(uid) if uid else INBOUND_DETECT
     c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.STATIC,

@@ -1400,14 +1400,16 @@ class ResourceBuilder:
         has_id = pod.identity in held
         entries: list[tuple[str, Any]] = [
             (pod.listener_name, build_listener(pod, state.capture_port, has_id))]
+        workload = f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}"
+        # its policies name HTTP fields: its undeclared ports and plaintext callers are
+        # judged past detection, in a listener of its own
+        own_detect = tls is not None and has_id and bool(pod.ips) and mtls.detects_own(pod.authz)
         if tls is not None and has_id and pod.ips:
             entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
                 pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
                 forbidden_ports=(state.capture_port,), access_log=state.connection_log,
-                workload=f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}",
-                policies=pod.authz)))
-        if tls is not None and has_id and pod.ips and mtls.detects_own(pod.authz):
-            # its policies name HTTP fields: its undeclared ports are judged past detection
+                workload=workload, policies=pod.authz)))
+        if tls is not None and own_detect:
             entries.append((mtls.pod_detect_name(pod.uid), mtls.build_inbound_detect_listener(
                 pod.uid, pod.authz, tls.trust_domain)))
             t = state.connect_timeout_s
@@ -1418,7 +1420,7 @@ class ResourceBuilder:
             # its plaintext callers, steered here by its rules while a policy selects it
             entries.append((judge_listener_name(pod.uid), build_judge_listener(
                 pod.uid, pod.netns_path, pod.ips, pod.authz, JUDGE_PORT, pod.ipv4, pod.ipv6,
-                access_log=state.connection_log)))
+                access_log=state.connection_log, detect=own_detect, workload=workload)))
         self._pod_entries[pod] = tuple(entries)
         for name, lis in entries:
             self._pod_out[name] = lis
