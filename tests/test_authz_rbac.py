@@ -54,13 +54,29 @@ def test_one_filter_per_deny_and_audit_policy_one_for_the_allows_in_istios_order
     assert first[0].authenticated.principal_name.exact == "spiffe://cluster.local/ns/app/sa/a"
     assert first[1].not_id.direct_remote_ip.address_prefix == "10.9.0.0"
     assert "ns/other[^/]*/sa" in src[1].authenticated.principal_name.safe_regex.regex
-    # HTTP: one filter per action (each costs every request), counted per policy by Envoy
-    http = http_rbac_filters(POLICIES)
-    assert [f.rules_stat_prefix or f.shadow_rules_stat_prefix for f in http] == [
-        "aether_authz.deny.all.", "aether_authz.allow.any.", "aether_authz.audit.all."]
-    assert set(http[0].rules.policies) == {"app/deny-admin[0]", "app/broken"}
-    assert set(http[1].rules.policies) == {"app/allow-a[0]", "app/get-only[0]"}
-    assert [f.track_per_rule_stats for f in http] == [True, False, True]
+    # HTTP: one filter (each costs every request): a DENY engine of the DENY policies and
+    # ~no_allow (what no ALLOW admits), the AUDIT policies as its shadow rules
+    (f,) = http_rbac_filters(POLICIES)
+    assert f.rules.action == rbac_pb2.RBAC.DENY and f.track_per_rule_stats
+    assert set(f.rules.policies) == {"app/deny-admin[0]", "app/broken", "~no_allow"}
+    assert sorted(f.rules.policies)[-1] == "~no_allow"  # Envoy reports a DENY policy first
+    assert f.rules_stat_prefix == "aether_authz.http."
+    assert set(f.shadow_rules.policies) == {"app/watch[0]"}
+    assert f.shadow_rules.action == rbac_pb2.RBAC.ALLOW
+    assert f.shadow_rules_stat_prefix == "aether_authz.audit.all."
+    # the ALLOW rules folded into principals: the peer and the port from filter state
+    (no_allow,) = f.rules.policies["~no_allow"].principals
+    admits = no_allow.not_id.or_ids.ids
+    assert len(admits) == 2  # allow-a's rule and get-only's
+    a_rule = admits[0].and_ids.ids
+    assert a_rule[0].or_ids.ids[0].and_ids.ids[0].filter_state.key == "aether.peer"
+    assert a_rule[1].filter_state.key == "aether.port"
+    assert a_rule[1].filter_state.string_match.exact == "8080"
+    assert admits[1].header.name == ":method"
+    # only AUDIT: shadow rules alone; no policy: no filter
+    (audit,) = http_rbac_filters([POLICIES[3]])
+    assert not audit.HasField("rules") and audit.HasField("shadow_rules")
+    assert http_rbac_filters([]) == []
 
 
 def test_an_allow_without_rules_renders_a_filter_that_denies_all() -> None:

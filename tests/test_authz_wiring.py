@@ -109,7 +109,21 @@ def test_inbound_chains_carry_rbac_ahead_of_the_relay_and_the_router() -> None:
         assert NETWORK_RBAC not in [f.name for f in plain[name].filters]
     hcm = hcm_pb2.HttpConnectionManager()
     guarded["mtls-http-v4"].filters[-1].typed_config.Unpack(hcm)
-    assert [f.name for f in hcm.http_filters] == [HTTP_RBAC, "envoy.filters.http.router"]
+    # the peer's ID from its certificate into filter state first (what the RBAC matches)
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.set_filter_state", HTTP_RBAC, "envoy.filters.http.router"]
+    from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as http_rbac_pb2
+    rbac = http_rbac_pb2.RBAC()
+    hcm.http_filters[1].typed_config.Unpack(rbac)
+    ident = rbac.rules.policies["~no_allow"].principals[0].not_id
+    assert ident.filter_state.key == mtls.PEER_ID_STATE
+    assert ident.filter_state.string_match.exact == "spiffe://cluster.local/ns/app/sa/a"
+    # and the port the caller named, set at accept
+    from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
+    cfg = set_filter_state_pb2.Config()
+    guarded["mtls-http-v4"].filters[0].typed_config.Unpack(cfg)
+    assert {v.object_key: v.format_string.text_format_source.inline_string
+            for v in cfg.on_new_connection}[mtls.PORT_STATE] == "%REQUESTED_SERVER_NAME%"
     plain["mtls-http-v4"].filters[-1].typed_config.Unpack(hcm)
     assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.router"]
     # the loop guard is untouched
@@ -173,13 +187,15 @@ def test_rbac_counters_become_decisions_per_workload_and_policy() -> None:
     stats = [
         ("aether_authz.u1.deny.0.rbac.denied", 2),
         ("aether_authz.u1.deny.0.rbac.allowed", 9),  # passed the DENY: not a decision
-        ("http.inbound-u1-http.rbac.aether_authz.deny.all.policy.app/deny-c[0].denied", 3),
-        ("http.inbound-u1-http.rbac.aether_authz.deny.all.denied", 3),  # the total: skipped
+        ("http.inbound-u1-http.rbac.aether_authz.http.policy.app/deny-c[0].denied", 3),
+        ("http.inbound-u1-http.rbac.aether_authz.http.denied", 3),  # the total: skipped
         ("aether_authz.u2.deny.0.rbac.denied", 1),  # another pod of the same workload
         ("http.inbound-u1-http.rbac.aether_authz.audit.all.policy.app/watch[0].shadow_allowed",
          4),
         ("http.inbound-u1-http.rbac.aether_authz.audit.all.shadow_allowed", 4),
         ("http.inbound-u1-http.rbac.aether_authz.audit.all.shadow_denied", 7),
+        ("http.inbound-u1-http.rbac.aether_authz.http.allowed", 10),
+        ("http.inbound-u1-http.rbac.aether_authz.http.policy.~no_allow.denied", 2),
         ("aether_authz.u1.allow.any.rbac.allowed", 5),
         ("aether_authz.u1.allow.any.rbac.denied", 6),
         ("aether_authz.gone.deny.0.rbac.denied", 50),  # a pod no longer here
@@ -189,8 +205,8 @@ def test_rbac_counters_become_decisions_per_workload_and_policy() -> None:
     got = decisions(stats, pods)
     assert got[Decisions("app", "server", "app/deny-c", "DENY", "deny")] == 6
     assert got[Decisions("app", "server", "app/watch", "AUDIT", "audit")] == 4
-    assert got[Decisions("app", "server", "*", "ALLOW", "allow")] == 5
-    assert got[Decisions("app", "server", "*", "ALLOW", "deny")] == 6
+    assert got[Decisions("app", "server", "*", "ALLOW", "allow")] == 5 + 10
+    assert got[Decisions("app", "server", "*", "ALLOW", "deny")] == 6 + 2
     assert len(got) == 4
     # a policy is there from the start, at zero
     assert decisions([], {"u1": ("app", "server", (deny,))}) == {

@@ -25,7 +25,16 @@ from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as http_rbac_pb2
 from envoy.extensions.filters.network.rbac.v3 import rbac_pb2 as net_rbac_pb2
 from envoy.type.matcher.v3 import filter_state_pb2, path_pb2, regex_pb2, string_pb2
 
-from agent.authz.policy import ALLOW, AUDIT, DENY, Operation, Policy, Source, effective_rules
+from agent.authz.policy import (
+    ALLOW,
+    AUDIT,
+    DENY,
+    Operation,
+    Policy,
+    Rule,
+    Source,
+    effective_rules,
+)
 
 NETWORK_RBAC = "envoy.filters.network.rbac"
 HTTP_RBAC = "envoy.filters.http.rbac"
@@ -44,10 +53,28 @@ class Vantage:
     sni_port: bool = True
     peer_state: str | None = None
     direct_ip: bool = True
+    # the filter-state string holding the port (as a principal can match it: the HTTP filter
+    # folds its ALLOW policies into principals, see ``http_rbac_filters``)
+    port_state: str | None = None
 
 
 MTLS = Vantage()
 PLAINTEXT = Vantage(sni_port=False)
+# Filter-state strings the listeners set for the RBAC filters after them: the verified
+# peer's SPIFFE ID (from its certificate, or past an internal hop from the PROXY header the
+# inbound listener wrote) and the port the caller named.
+PEER_STATE = "aether.peer"
+PORT_STATE = "aether.port"
+# The inbound listener's HTTP chain: the peer's ID from filter state, set per request from
+# the certificate. Envoy's ``authenticated`` principal, on a mismatch, decodes the
+# certificate's DNS SANs and formats its subject again for every matcher of every request
+# (it caches neither when empty, as in an SVID): ~60k instructions a request for four DENY
+# policies (``bench.authz_cost --callgrind``).
+MTLS_HTTP = Vantage(peer_state=PEER_STATE, port_state=PORT_STATE)
+# A pod's own detection listener, past the internal hop: the restored destination port,
+# the restored caller address.
+DETECTED = Vantage(sni_port=False, peer_state=PEER_STATE, direct_ip=False,
+                   port_state=PORT_STATE)
 
 
 def _glob(pattern: str, prefix: str = "", ignore_case: bool = False) -> string_pb2.StringMatcher:
@@ -240,34 +267,100 @@ def network_rbac_filters(policies: Sequence[Policy], at: Vantage = MTLS, scope: 
     return out
 
 
-def _merged_in_order(policies: Sequence[Policy], trust_domain: str | None = None,
-                     at: Vantage = MTLS) -> list[tuple[str, rbac_pb2.RBAC]]:
-    """(action, RBAC of every policy of that action) in Istio's order, as enforced with
-    HTTP attributes."""
-    out = []
-    for action in (DENY, ALLOW, AUDIT):
-        rules = rbac_rules(policies, action, True, at, trust_domain)
-        if rules is not None:
-            out.append((action, rules))
-    return out
+NO_ALLOW = "~no_allow"  # the HTTP filter's policy denying what no ALLOW policy admits
+HTTP_TAG = "http"  # the HTTP filter's stats: aether_authz.http.{allowed,denied,policy.<id>.*}
 
 
-MERGED = "all"  # the tag of a filter holding every DENY (or AUDIT) policy of a pod
+def _header_id(name: str, m: string_pb2.StringMatcher) -> rbac_pb2.Principal:
+    return rbac_pb2.Principal(header=route_components_pb2.HeaderMatcher(name=name, string_match=m))
+
+
+def operation_principal(o: Operation, at: Vantage) -> rbac_pb2.Principal:
+    """An operation as a principal (the RBAC principal matchers cover headers and the path
+    too; the port is read from ``at.port_state``)."""
+    if at.port_state is None:
+        raise ValueError("an operation as a principal needs the port in filter state")
+    key = at.port_state
+    parts: list[rbac_pb2.Principal] = []
+
+    def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
+        if yes:
+            parts.append(_any_id(yes))
+        if no:
+            parts.append(rbac_pb2.Principal(not_id=_any_id(no)))
+
+    def port(p: int) -> rbac_pb2.Principal:
+        return rbac_pb2.Principal(filter_state=filter_state_pb2.FilterStateMatcher(
+            key=key, string_match=string_pb2.StringMatcher(exact=str(p))))
+
+    pair([port(p) for p in o.ports], [port(p) for p in o.not_ports])
+    pair([_header_id(":method", string_pb2.StringMatcher(exact=m)) for m in o.methods],
+         [_header_id(":method", string_pb2.StringMatcher(exact=m)) for m in o.not_methods])
+    paths = [rbac_pb2.Principal(url_path=path_pb2.PathMatcher(path=_glob(p))) for p in o.paths]
+    not_paths = [rbac_pb2.Principal(url_path=path_pb2.PathMatcher(path=_glob(p)))
+                 for p in o.not_paths]
+    pair(paths, not_paths)
+    pair([_header_id(":authority", _glob(h, ignore_case=True)) for h in o.hosts],
+         [_header_id(":authority", _glob(h, ignore_case=True)) for h in o.not_hosts])
+    if not parts:
+        return rbac_pb2.Principal(any=True)
+    return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
+        and_ids=rbac_pb2.Principal.Set(ids=parts))
+
+
+def _rule_principal(r: Rule, trust_domain: str | None, at: Vantage) -> rbac_pb2.Principal:
+    """A whole rule (one of its sources and one of its operations) as one principal."""
+    parts = []
+    if r.sources:
+        parts.append(_any_id([source_principal(s, trust_domain, at) for s in r.sources]))
+    if r.operations:
+        parts.append(_any_id([operation_principal(o, at) for o in r.operations]))
+    if not parts:
+        return rbac_pb2.Principal(any=True)
+    return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
+        and_ids=rbac_pb2.Principal.Set(ids=parts))
 
 
 def http_rbac_filters(policies: Sequence[Policy], trust_domain: str | None = None,
-                      at: Vantage = MTLS) -> list[http_rbac_pb2.RBAC]:
-    """The HTTP RBAC filters of an HTTP inbound chain (a denial is a 403), in order; their
-    stats live under the chain's HTTP connection manager's. Each filter costs CPU on every
-    request, so here the policies of an action share one filter (at most three), counted
-    per policy by Envoy's per-rule stats (``track_per_rule_stats``)."""
-    out = []
-    for action, rules in _merged_in_order(policies, trust_domain, at):
-        tag = ANY_ALLOW if action == ALLOW else MERGED
-        prefix = stat_prefix("", action, tag)
-        f = (http_rbac_pb2.RBAC(shadow_rules=_audit_as_shadow(rules),
-                                shadow_rules_stat_prefix=prefix)
-             if action == AUDIT else http_rbac_pb2.RBAC(rules=rules, rules_stat_prefix=prefix))
-        f.track_per_rule_stats = action != ALLOW
-        out.append(f)
-    return out
+                      at: Vantage = MTLS_HTTP) -> list[http_rbac_pb2.RBAC]:
+    """The HTTP RBAC filter of an HTTP inbound chain (a denial is a 403): none, or one.
+
+    Each RBAC filter costs every request ~13k instructions of its own (Envoy builds and
+    merges its dynamic metadata), so Istio's order is one engine here: a DENY engine whose
+    policies are the DENY policies' rules and, when an ALLOW policy selects the pod,
+    ``~no_allow``, matching a request that none of the ALLOW rules admits (those rules
+    folded into principals: the principal matchers cover headers, the path and, through
+    ``at.port_state``, the port). Envoy reports the first match in name order, and
+    ``~`` sorts after every ``<ns>/<name>``, so a DENY policy is named before the missing
+    ALLOW. AUDIT policies are its shadow rules. Counted per policy by Envoy's per-rule
+    stats (``aether_authz.http.policy.<id>.denied``, ``aether_authz.audit.all.policy.<id>.
+    shadow_allowed``) and in all (``aether_authz.http.allowed``); an allowed request
+    matches no policy, so it costs no per-policy counter."""
+    if not policies:
+        return []
+    engine = rbac_rules(policies, DENY, True, at, trust_domain) or rbac_pb2.RBAC(
+        action=rbac_pb2.RBAC.DENY)
+    allows = [p for p in policies if p.action == ALLOW]
+    if allows:
+        admits = [_rule_principal(r, trust_domain, at) for p in allows
+                  for r in (effective_rules(p, True) or ())]
+        pol = engine.policies[NO_ALLOW]
+        pol.permissions.add(any=True)
+        if admits:
+            pol.principals.add().not_id.CopyFrom(_any_id(admits))
+        else:  # ALLOW policies without a readable rule: nothing is admitted
+            pol.principals.add(any=True)
+    f = http_rbac_pb2.RBAC(track_per_rule_stats=True)
+    if engine.policies:
+        f.rules.CopyFrom(engine)
+        f.rules_stat_prefix = stat_prefix("", HTTP_TAG, "")
+    audit = rbac_rules(policies, AUDIT, True, at, trust_domain)
+    if audit is not None:
+        f.shadow_rules.CopyFrom(_audit_as_shadow(audit))
+        f.shadow_rules_stat_prefix = stat_prefix("", AUDIT, MERGED)
+    if not f.HasField("rules") and not f.HasField("shadow_rules"):
+        return []
+    return [f]
+
+
+MERGED = "all"  # the tag of the AUDIT shadow rules of the HTTP filter

@@ -75,12 +75,15 @@ from google.protobuf import struct_pb2, wrappers_pb2
 
 from agent.authz.policy import Policy, needs_http
 from agent.authz.rbac import (
+    DETECTED,
     HTTP_RBAC,
+    MTLS_HTTP,
     NETWORK_RBAC,
-    Vantage,
+    PEER_STATE,
     http_rbac_filters,
     network_rbac_filters,
 )
+from agent.authz.rbac import PORT_STATE as PORT_STATE_KEY
 from agent.envoy.golden import inbound_stats_log
 from agent.envoy.http_routes import (
     HTTP_HOP_STATE,
@@ -128,9 +131,8 @@ INBOUND_DELIVER_CLUSTER = "inbound-deliver"
 # the requests when HTTP, on the connection otherwise. Its caller's verified ID comes from
 # the PROXY header (read into ``PEER_ID_STATE``) and the port the caller named from the
 # address the original_dst listener filter restores (``LOCAL_DST_STATE``).
-PEER_ID_STATE = "aether.peer"
+PEER_ID_STATE, PORT_STATE = PEER_STATE, PORT_STATE_KEY
 LOCAL_DST_STATE = "envoy.filters.listener.original_dst.local_ip"
-DETECTED = Vantage(sni_port=False, peer_state=PEER_ID_STATE, direct_ip=False)
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
 # backend SAN and server name (set in mtls-out for its upstream).
@@ -428,7 +430,9 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     td = tls.trust_domain
     l4_rbac = [_network_filter(NETWORK_RBAC, f)
                for f in network_rbac_filters(policies, scope=uid, trust_domain=td)]
-    http_rbac = [_http_filter(HTTP_RBAC, f) for f in http_rbac_filters(policies, td)]
+    http_rbac = [_http_filter(HTTP_RBAC, f) for f in http_rbac_filters(policies, td, MTLS_HTTP)]
+    if http_rbac:
+        http_rbac.insert(0, peer_id_filter())
 
     def match(family: str, **kw: object) -> listener_components_pb2.FilterChainMatch:
         # every chain names its destination range: Envoy narrows on the destination address
@@ -483,13 +487,16 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     def http(family: str) -> listener_components_pb2.FilterChain:
         hcm = _deliver_hcm(f"{name}-http", "%DOWNSTREAM_LOCAL_URI_SAN%",
                            "%DOWNSTREAM_PEER_URI_SAN%", logs, http_rbac)
+        # the port the caller named, for the RBAC's principals (known at accept: the name)
+        state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path,
+                               port=bool(http_rbac))
         return listener_components_pb2.FilterChain(
             name=f"mtls-http-v{family}",
             filter_chain_match=match(family, application_protocols=[MESH_ALPN_HTTP]),
             # the chain is picked by the ALPN the caller offers, but none is negotiated: the
             # HTTP codec takes a negotiated ALPN as the protocol and would read h2c as HTTP/1;
             # with none it tells HTTP/2 from HTTP/1.1 by the connection preface
-            filters=[direct_state(), hcm], transport_socket=terminate(alpns=()))
+            filters=[state, hcm], transport_socket=terminate(alpns=()))
 
     def tcp(family: str) -> listener_components_pb2.FilterChain:
         return listener_components_pb2.FilterChain(
@@ -527,6 +534,15 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
     return lis
 
 
+def peer_id_filter() -> hcm_pb2.HttpFilter:
+    """Per request, ``PEER_ID_STATE`` from the verified peer certificate's URI SAN (none
+    without one), for the RBAC filters after it."""
+    from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
+    return _http_filter("envoy.filters.http.set_filter_state", set_filter_state_pb2.Config(
+        on_request_headers=[state_value(PEER_ID_STATE, "%DOWNSTREAM_PEER_URI_SAN%",
+                                        STRING_STATE_FACTORY, NOT_SHARED, skip_if_empty=True)]))
+
+
 def deliver_target(ips: Sequence[str]) -> str:
     """Where mesh connections are delivered: the pod's first address (v4 when dual-stack),
     bracketed for IPv6, never an address the caller names."""
@@ -535,7 +551,8 @@ def deliver_target(ips: Sequence[str]) -> str:
 
 
 def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ONCE,
-                   destination: str = "", local: bool = False) -> listener_components_pb2.Filter:
+                   destination: str = "", local: bool = False, port: bool = False
+                   ) -> listener_components_pb2.Filter:
     """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns;
     ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between, which also
     gets ``destination`` (``DESTINATION_STATE``) and, with ``local``, the same address as
@@ -546,6 +563,8 @@ def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ON
         values.append(state_value(DESTINATION_STATE, destination, STRING_STATE_FACTORY, shared))
     if local:
         values.append(state_value(LOCAL_DST_STATE, f"{target}:{port_fmt}", shared=ONCE))
+    if port:  # ``PORT_STATE``, for the RBAC filters here
+        values.append(state_value(PORT_STATE, port_fmt, STRING_STATE_FACTORY, NOT_SHARED))
     return set_filter_state(*values)
 
 
@@ -630,8 +649,9 @@ def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = ()
     if uid:
         # the caller's ID as a plain string for RBAC to match (the header has been read by
         # now: listener filters run first); unset when the caller sent none
-        pre = [set_filter_state(state_value(PEER_ID_STATE, peer, STRING_STATE_FACTORY,
-                                            NOT_SHARED, skip_if_empty=True))]
+        pre = [set_filter_state(
+            state_value(PEER_ID_STATE, peer, STRING_STATE_FACTORY, NOT_SHARED, skip_if_empty=True),
+            state_value(PORT_STATE, "%DOWNSTREAM_LOCAL_PORT%", STRING_STATE_FACTORY, NOT_SHARED))]
         http_rbac = [_http_filter(HTTP_RBAC, f)
                      for f in http_rbac_filters(policies, trust_domain, DETECTED)]
         l4_rbac = [_network_filter(NETWORK_RBAC, f) for f in network_rbac_filters(
