@@ -34,6 +34,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
     "takeover": {"full": ["--takeovers", "10", "--crashes", "3", "--pods", "110"],
                  "quick": ["--quick"]},
     "authz_cost": {"full": ["--rounds", "5", "--duration", "8"], "quick": ["--quick"]},
+    "authz_instructions": {"full": ["--rounds", "3", "--duration", "10"], "quick": ["--quick"]},
 }
 
 
@@ -341,6 +342,21 @@ def rows_authz_cost(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_authz_instructions(d: dict[str, Any]) -> list[Row]:
+    out: list[Row] = []
+    for shape, s in d["shapes"].items():
+        lo, hi = (s["spread"] + [0.0, 0.0])[:2]
+        verdict = ("PASS" if s["target_met"] else "MISS") + f" (≤ {d['target']:g}×)"
+        out.append(("authz_instructions", f"mTLS hop, {MTLS_MODE_LABELS.get(shape, shape)}, "
+                    f"keep-alive: node Envoy instructions per request (callgrind) with "
+                    f"{d['policies']} AuthorizationPolicies selecting the server (median of "
+                    f"{d['rounds']} rounds)", f"{s['instructions_with'] / 1e3:.0f}k",
+                    f"no policy {s['instructions_without'] / 1e3:.0f}k",
+                    f"{s['instructions_ratio_median']:.3f}× (spread {lo:.3f}–{hi:.3f})",
+                    verdict))
+    return out
+
+
 def rows_takeover(d: dict[str, Any]) -> list[Row]:
     t, c = d["takeover"], d.get("crash")
     n, pods = len(d["takeovers"]), d["pods"]
@@ -374,7 +390,7 @@ ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": row
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
         "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics,
         "sidecar_path": rows_sidecar_path, "takeover": rows_takeover,
-        "authz_cost": rows_authz_cost}
+        "authz_cost": rows_authz_cost, "authz_instructions": rows_authz_instructions}
 
 
 def machine() -> str:

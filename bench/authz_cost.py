@@ -272,13 +272,18 @@ def run_callgrind(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         teardown_node(kubelet, pods, agent, bridge, workdir)
 
 
+def main_callgrind(argv: list[str] | None = None) -> int:
+    """``bench.authz_instructions``: the node Envoy under callgrind, instructions per request."""
+    return bench_cli("python -m bench.authz_instructions", run_callgrind.__doc__, "valgrind",
+                     "valgrind (callgrind) and wrk", "aether-bench-authz-cg-", run_callgrind,
+                     argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--callgrind" in args:  # instructions per request, the node Envoy under callgrind
+    if "--callgrind" in args:  # the same as bench.authz_instructions
         args.remove("--callgrind")
-        return bench_cli("python -m bench.authz_cost --callgrind", __doc__, "valgrind",
-                         "valgrind (callgrind) and wrk", "aether-bench-authz-cg-",
-                         run_callgrind, args)
+        return main_callgrind(args)
     return bench_cli("python -m bench.authz_cost", __doc__, "wrk", "wrk", "aether-bench-authz-",
                      run, args)
 

@@ -58,7 +58,11 @@ def test_one_filter_per_deny_and_audit_policy_one_for_the_allows_in_istios_order
     # ~no_allow (what no ALLOW admits), the AUDIT policies as its shadow rules
     (f,) = http_rbac_filters(POLICIES)
     assert f.rules.action == rbac_pb2.RBAC.DENY and f.track_per_rule_stats
-    assert set(f.rules.policies) == {"app/deny-admin[0]", "app/broken", "~no_allow"}
+    assert set(f.rules.policies) == {"app/deny-admin[0]", "app/broken", "~no_allow",
+                                     "~multi_uri_san"}
+    # a certificate with more than one URI SAN (their comma-joined list) is refused
+    multi = f.rules.policies["~multi_uri_san"].principals[0].filter_state
+    assert multi.key == "aether.peer" and multi.string_match.contains == ","
     assert sorted(f.rules.policies)[-1] == "~no_allow"  # Envoy reports a DENY policy first
     assert f.rules_stat_prefix == "aether_authz.http."
     assert set(f.shadow_rules.policies) == {"app/watch[0]"}

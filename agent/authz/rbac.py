@@ -268,6 +268,10 @@ def network_rbac_filters(policies: Sequence[Policy], at: Vantage = MTLS, scope: 
 
 
 NO_ALLOW = "~no_allow"  # the HTTP filter's policy denying what no ALLOW policy admits
+# ... and a peer certificate with more than one URI SAN (SPIFFE allows exactly one): its IDs
+# reach filter state comma-joined, where no pattern would match it and a DENY naming one of
+# them would not apply
+MULTI_ID = "~multi_uri_san"
 HTTP_TAG = "http"  # the HTTP filter's stats: aether_authz.http.{allowed,denied,policy.<id>.*}
 
 
@@ -350,6 +354,11 @@ def http_rbac_filters(policies: Sequence[Policy], trust_domain: str | None = Non
             pol.principals.add().not_id.CopyFrom(_any_id(admits))
         else:  # ALLOW policies without a readable rule: nothing is admitted
             pol.principals.add(any=True)
+    if at.peer_state is not None and engine.policies:  # AUDIT alone never denies
+        pol = engine.policies[MULTI_ID]
+        pol.permissions.add(any=True)
+        pol.principals.add(filter_state=filter_state_pb2.FilterStateMatcher(
+            key=at.peer_state, string_match=string_pb2.StringMatcher(contains=",")))
     f = http_rbac_pb2.RBAC(track_per_rule_stats=True)
     if engine.policies:
         f.rules.CopyFrom(engine)
