@@ -50,16 +50,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import yaml
-
 from agent.source.base import PodEvent, SourceError, WatchEvent
+from agent.source.manifest_parse import ManifestError, ObjKey, _one_line, parse_manifest
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
-from agent.source.yamlsafe import ManifestLimitError, load_all
+
+__all__ = ["ManifestError", "ObjKey", "parse_manifest"]  # where they were before the split
 
 log = logging.getLogger("aether.source.manifests")
 
-ObjKey = tuple[str, str, str]  # kind, namespace, name
 FileStamp = tuple[int, int, int]  # mtime_ns, size, inode
+Parser = Callable[[str, bytes], tuple[dict[ObjKey, dict[str, Any]], list[str]]]
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 #: How long an in-place rewrite may look empty or half-written before it is taken as is.
@@ -72,13 +72,6 @@ BACKGROUND_PARSE_BYTES = 256 * 1024
 LOOKUP_WAIT_S = 0.5
 #: A loader's scan or parse thread with nothing to do exits after this long.
 _IDLE_S = 5.0
-
-
-class ManifestError(ValueError):
-    """A file's content is not a usable manifest (the whole file is refused)."""
-
-
-Parser = Callable[[str, bytes], tuple[dict[ObjKey, dict[str, Any]], list[str]]]
 
 
 @dataclass
@@ -99,40 +92,6 @@ class ParseJob:
     st: os.stat_result
     stamp: FileStamp
     prev: _FileState | None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
-def parse_manifest(path: str, data: bytes) -> tuple[dict[ObjKey, dict[str, Any]], list[str]]:
-    """One file's objects and its skipped-document warnings; ManifestError if unusable."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ManifestError(f"not UTF-8 ({_one_line(e)})") from e
-    try:
-        docs = load_all(data)
-    except ManifestLimitError as e:
-        raise ManifestError(f"refused: {_one_line(e)}") from e
-    except yaml.YAMLError as e:
-        raise ManifestError(f"YAML error: {_one_line(e)}") from e
-    except (RecursionError, MemoryError) as e:
-        raise ManifestError(f"refused: {type(e).__name__} while loading") from e
-    except Exception as e:  # e.g. a timestamp with month 13, an int of 5,000 digits
-        raise ManifestError(f"value error: {type(e).__name__}: {_one_line(e)}") from e
-    objects: dict[ObjKey, dict[str, Any]] = {}
-    warnings: list[str] = []
-    for i, doc in enumerate(docs, 1):
-        for obj in _flatten(doc, i):
-            kind = obj.get("kind")
-            meta = obj.get("metadata")
-            if not isinstance(kind, str) or not isinstance(meta, dict) or not meta.get("name"):
-                warnings.append(f"{path}: document without kind/metadata.name skipped")
-                continue
-            ns = "" if kind == "Namespace" else str(meta.get("namespace") or "default")
-            objects[(kind, ns, str(meta["name"]))] = obj
-    return objects, warnings
 
 
 def _read_file(path: str, max_bytes: int) -> bytes:
@@ -348,25 +307,6 @@ def dir_stamp(directory: str, stats: dict[str, os.stat_result] | None = None
             if stats is not None and f.endswith(MANIFEST_SUFFIXES):
                 stats[p] = st
     return tuple(sorted(stamp))
-
-
-def _flatten(doc: Any, index: int = 0) -> list[dict[str, Any]]:
-    """A document's objects (a List's items); ManifestError when it is not a mapping."""
-    if doc is None:
-        return []  # an empty document (`---` with nothing after it)
-    if not isinstance(doc, dict):
-        raise ManifestError(f"document {index} is a {type(doc).__name__}, not a mapping")
-    if doc.get("kind") == "List" or (
-        isinstance(doc.get("kind"), str) and str(doc["kind"]).endswith("List") and "items" in doc
-    ):
-        items = doc.get("items")
-        if items is None:
-            return []
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise ManifestError(f"document {index} is a {doc['kind']} whose items are not "
-                                "a list of mappings")
-        return items
-    return [doc]
 
 
 @dataclass(frozen=True)

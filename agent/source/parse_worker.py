@@ -22,6 +22,7 @@ import subprocess
 import sys
 from typing import Any
 
+from agent.source.manifest_parse import ManifestError, parse_manifest
 from agent.source.pace import background_slice
 
 CHUNK = 100  # objects per pickle frame: ~1 ms to unpickle
@@ -40,8 +41,6 @@ def parse_in_child(path: str, data: bytes, *, timeout: float = CHILD_TIMEOUT_S,
                    ) -> tuple[dict[Any, dict[str, Any]], list[str]]:
     """``parse_manifest(path, data)`` in a child; ManifestError as it would raise (and for a
     child that crashed, ran out of memory or time), ChildFailed if none could start."""
-    from agent.source.manifests import ManifestError
-
     cmd = [sys.executable, "-m", "agent.source.parse_worker", path, str(memory)]
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -78,8 +77,6 @@ def parse_in_child(path: str, data: bytes, *, timeout: float = CHILD_TIMEOUT_S,
 
 
 def main() -> None:
-    from agent.source.manifests import ManifestError, parse_manifest
-
     path, memory = sys.argv[1], int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
