@@ -31,6 +31,8 @@ PURE = (
     "agent.meshpods.record", "agent.slices.project", "agent.source.model",
     "agent.envoy.golden", "agent.source.base", "agent.source.objects", "agent.workload",
     "agent.ids", "agent.source.packed", "agent.envoy.judge",
+    "agent.envoy.names", "agent.envoy.pod_listener", "agent.envoy.service_chains",
+    "agent.envoy.clusters", "agent.envoy.raw",
 ) + tuple(  # every module of the pure packages, the ones added later included
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in ("authz", "capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))

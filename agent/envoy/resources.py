@@ -40,208 +40,173 @@ as immutable (the xDS server memoises hashes by object identity).
 
 from __future__ import annotations
 
-import hashlib
-import ipaddress
 import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from functools import cached_property
-from typing import Any, NamedTuple, TypeAlias
+from dataclasses import dataclass, field
+from typing import Any
 
-from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import (
-    address_pb2,
-    config_source_pb2,
-    grpc_service_pb2,
-    health_check_pb2,
-    socket_option_pb2,
-)
-from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
-from envoy.extensions.access_loggers.grpc.v3 import als_pb2
-from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
-from envoy.type.tracing.v3 import custom_tag_pb2
-from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import Message
 
-from agent.authz.policy import Policy
 from agent.config import CAPTURE_PORT, JUDGE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
-from agent.envoy.envoy_stats import PASSTHROUGH_STATS
-from agent.envoy.golden import SOURCE_STATE, http_stats_log, tcp_stats_log
+from agent.envoy.clusters import (
+    OVERPROVISIONING_FACTOR,
+    Resilience,
+    apply_resilience,
+    build_load_assignment,
+    build_namespace_cluster,
+    build_passthrough_cluster,
+    build_service_cluster,
+    endpoint_health,
+    endpoint_priority,
+    upstream_bind_config,
+)
 from agent.envoy.judge import build_judge_listener, judge_listener_name
 from agent.envoy.mtls import MeshTls
+from agent.envoy.names import (
+    ALS_LISTENER_TAG,
+    ALS_LOG_NAME,
+    ALS_MESH_LISTENER_TAG,
+    CAPTURE_LISTENER_FORMAT,
+    CAPTURE_LISTENER_STATE,
+    CLUSTER_TYPE,
+    DEFAULT_NAMESPACE,
+    ENDPOINT_TYPE,
+    HTTP_FAILURE_LOG_FORMAT,
+    HTTP_FAILURE_LOG_TAG,
+    LISTENER_PREFIX,
+    LISTENER_TYPE,
+    NAMESPACE_LISTENER_PREFIX,
+    NETNS_ADDRESS_SELECTOR,
+    NETNS_ADDRESS_SELECTOR_TYPE,
+    ORIGINAL_DST_LOCAL_STATE,
+    ORIGINAL_DST_REMOTE_STATE,
+    PASSTHROUGH_CLUSTER,
+    POD_CLUSTER_PREFIX,
+    REQUEST_LOG_NAME,
+    SERVICE_CLUSTER_PREFIX,
+    SHARED_CALLERS,
+    SHARED_MESH_LISTENER,
+    SO_MARK,
+    SOL_SOCKET,
+    TRAFFIC_LOG_NAME,
+    TRAFFIC_TAGS,
+    astuple_shallow,
+    namespace_listener_name,
+    parse_service_cluster_name,
+    pod_cluster_name,
+    service_cluster_name,
+)
 from agent.envoy.pieces import (
-    AGENT_GRPC_CLUSTER,
-    STRING_STATE_FACTORY,
-    TRANSITIVE,
-    UPSTREAM_NETNS_STATE,
-    duration,
-    http_grpc_access_log,
-    internal_upstream,
-    original_dst_filter,
-    set_filter_state,
-    state_value,
-    stdout_access_log,
-    tcp_grpc_access_log,
     tcp_proxy_filter,
 )
-from agent.identity.svid import identity_key
+from agent.envoy.pod_listener import (
+    PodListener,
+    build_listener,
+)
+from agent.envoy.raw import (
+    RawResource,
+    encode_chains,
+    resource_hash,
+)
+from agent.envoy.service_chains import (
+    ChainResult,
+    TrafficLogs,
+    _cidr,
+    _namespace_head,
+    build_namespace_listener,
+    chain_for,
+    chain_varies_by_caller,
+    detect_ports,
+    gamma_signature,
+    http_failure_access_log,
+    http_traffic_logs,
+    learn_chains,
+    passthrough_chain,
+    request_access_log,
+    service_chain,
+    tcp_traffic_logs,
+    traffic_access_log,
+)
 from agent.scope.model import Endpoint, ServiceView
 from agent.scope.route_tables import GammaResult
-from agent.scope.services import ServicePort, TrafficPolicy
+from agent.scope.services import ServicePort
 
-LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
-CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
-ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
-PASSTHROUGH_CLUSTER = "passthrough"
-LISTENER_PREFIX = "capture-"
-# The STATIC cluster per caller namespace, and the internal listener it reaches: ``mesh``,
-# shared by every namespace whose callers see the same chains, or ``mesh-<ns>`` for a
-# namespace with consumer routes of its own.
-NAMESPACE_LISTENER_PREFIX = "mesh-"
-SHARED_MESH_LISTENER = "mesh"
-# The caller "namespace" of the shared listener: no real one (not a DNS label), so no
-# consumer route applies to it and its table is the one every other namespace sees.
-SHARED_CALLERS = "*"
-DEFAULT_NAMESPACE = "default"
-SERVICE_CLUSTER_PREFIX = "svc|"
-ALS_LOG_NAME = "aether-passthrough"
-# Access-log records (--access-log, agent.envoy.traffic): every connection a namespace
-# listener closes, and every request an HTTP chain answers, reported to the agent.
-TRAFFIC_LOG_NAME = "aether-traffic"
-REQUEST_LOG_NAME = "aether-requests"
-TRAFFIC_TAGS = {"chain": "%FILTER_CHAIN_NAME%", "flags": "%RESPONSE_FLAGS%"}
-# Custom tags on every ALS entry: the pod listener that accepted the connection (from filter
-# state) and the internal listener that logged it.
-ALS_LISTENER_TAG = "listener"
-ALS_MESH_LISTENER_TAG = "mesh_listener"
-
-# Filter state handed from a pod listener to its namespace's internal listener.
-ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
-ORIGINAL_DST_REMOTE_STATE = "envoy.filters.listener.original_dst.remote_ip"
-CAPTURE_LISTENER_STATE = "aether.capture_listener"
-CAPTURE_LISTENER_FORMAT = f"%FILTER_STATE({CAPTURE_LISTENER_STATE}:PLAIN)%"
-# The clusters' local address selector opens the upstream socket in the netns named by
-# UPSTREAM_NETNS_STATE, which the pod listener shares TRANSITIVE (it crosses the internal
-# listener).
-NETNS_ADDRESS_SELECTOR = "envoy.upstream.local_address_selector.filter_state_override"
-NETNS_ADDRESS_SELECTOR_TYPE = ("type.googleapis.com/envoy.extensions.local_address_selectors."
-                               "filter_state_override.v3.Config")
+# what the builders above hold, importable from here as before the split
+__all__ = [
+    "ALS_LISTENER_TAG",
+    "ALS_LOG_NAME",
+    "ALS_MESH_LISTENER_TAG",
+    "CAPTURE_LISTENER_FORMAT",
+    "CAPTURE_LISTENER_STATE",
+    "CLUSTER_TYPE",
+    "ChainResult",
+    "DEFAULT_NAMESPACE",
+    "ENDPOINT_TYPE",
+    "HTTP_FAILURE_LOG_FORMAT",
+    "HTTP_FAILURE_LOG_TAG",
+    "LISTENER_PREFIX",
+    "LISTENER_TYPE",
+    "NAMESPACE_LISTENER_PREFIX",
+    "NETNS_ADDRESS_SELECTOR",
+    "NETNS_ADDRESS_SELECTOR_TYPE",
+    "NodeXdsState",
+    "ORIGINAL_DST_LOCAL_STATE",
+    "ORIGINAL_DST_REMOTE_STATE",
+    "OVERPROVISIONING_FACTOR",
+    "PASSTHROUGH_CLUSTER",
+    "POD_CLUSTER_PREFIX",
+    "PodListener",
+    "REQUEST_LOG_NAME",
+    "RawResource",
+    "Resilience",
+    "ResourceBuilder",
+    "SERVICE_CLUSTER_PREFIX",
+    "SHARED_CALLERS",
+    "SHARED_MESH_LISTENER",
+    "SOL_SOCKET",
+    "SO_MARK",
+    "TRAFFIC_LOG_NAME",
+    "TRAFFIC_TAGS",
+    "TrafficLogs",
+    "apply_resilience",
+    "astuple_shallow",
+    "build_listener",
+    "build_load_assignment",
+    "build_namespace_cluster",
+    "build_namespace_listener",
+    "build_passthrough_cluster",
+    "build_resources",
+    "build_service_cluster",
+    "chain_for",
+    "chain_varies_by_caller",
+    "detect_ports",
+    "encode_chains",
+    "endpoint_health",
+    "endpoint_priority",
+    "gamma_signature",
+    "http_failure_access_log",
+    "http_traffic_logs",
+    "learn_chains",
+    "namespace_listener_name",
+    "parse_service_cluster_name",
+    "passthrough_chain",
+    "pod_cluster_name",
+    "request_access_log",
+    "resource_hash",
+    "service_chain",
+    "service_cluster_name",
+    "tcp_traffic_logs",
+    "traffic_access_log",
+    "upstream_bind_config",
+]
 
 log = logging.getLogger("agent.envoy.resources")
 
-SOL_SOCKET = 1
-SO_MARK = 36
-
-# HTTP (GAMMA HCM) chains log failed requests only: a 5xx or any response flag (UH no healthy
-# upstream, UF connect failure, UC upstream reset, NC no cluster, ...). A healthy request
-# costs nothing; a failure names its flags, details, route, cluster and x-request-id.
-HTTP_FAILURE_LOG_TAG = "http-failure"
-HTTP_FAILURE_LOG_FORMAT = (
-    f"[%START_TIME%] {HTTP_FAILURE_LOG_TAG} listener={CAPTURE_LISTENER_FORMAT} "
-    "mesh=%LISTENER_NAME% %REQ(:METHOD)% %REQ(:AUTHORITY)%%REQ(:PATH)% -> "
-    "%DOWNSTREAM_LOCAL_ADDRESS% status=%RESPONSE_CODE% flags=%RESPONSE_FLAGS% "
-    "details=%RESPONSE_CODE_DETAILS% route=%ROUTE_NAME% cluster=%UPSTREAM_CLUSTER% "
-    "upstream=%UPSTREAM_HOST% request_id=%REQ(X-REQUEST-ID)% dur=%DURATION%ms "
-    "failure=%UPSTREAM_TRANSPORT_FAILURE_REASON%\n"
-)
-
-
-def astuple_shallow(obj: Any) -> tuple[Any, ...]:
-    """A dataclass's field values in order, as its generated ``__eq__``/``__hash__`` see
-    them (``dataclasses.astuple`` would deep-copy)."""
-    return tuple(getattr(obj, f.name) for f in fields(obj))
-
-
-def namespace_listener_name(namespace: str) -> str:
-    """``mesh-<ns>``: the cluster for callers in ``namespace`` (and the internal listener it
-    reaches when their chains are their own); ``mesh`` for ``SHARED_CALLERS``."""
-    if namespace == SHARED_CALLERS:
-        return SHARED_MESH_LISTENER
-    return f"{NAMESPACE_LISTENER_PREFIX}{namespace or DEFAULT_NAMESPACE}"
-
-
-@dataclass(frozen=True)
-class PodListener:
-    """A pod whose outbound TCP is redirected to the capture port in its own netns."""
-
-    uid: str
-    netns_path: str
-    ipv4: bool = True
-    ipv6: bool = True
-    # The pod's namespace: picks the internal listener (caller-namespace chain table).
-    namespace: str = DEFAULT_NAMESPACE
-    # Its ServiceAccount (the mesh identity it calls and is called as) and addresses (what
-    # its inbound mTLS listener delivers to); used only with ``NodeXdsState.mesh_tls``.
-    service_account: str = "default"
-    ips: tuple[str, ...] = ()
-    # Its workload (the owner, not the pod): the source the golden metrics count it under.
-    workload: str = ""
-    # The pod's name when the golden metrics label the calling pod (--traffic-source-pods)
-    source_pod: str = ""
-    # The AuthorizationPolicies that select the pod (agent.authz), enforced on its inbound
-    # mTLS listener; a change makes another PodListener, so the diff rebuilds just this pod
-    authz: tuple[Policy, ...] = ()
-
-    @property
-    def source(self) -> str:
-        """``<namespace>/<workload>`` (the listener's uid when the workload is unknown), and
-        ``/<pod>`` when the metrics label the calling pod."""
-        src = f"{self.namespace or DEFAULT_NAMESPACE}/{self.workload or self.uid}"
-        return f"{src}/{self.source_pod}" if self.source_pod else src
-
-    # Every publish walks every pod (build, hashes): what it asks of each is computed once
-    # per object (these are frozen), not once per pod per ADD.
-    @cached_property
-    def identity(self) -> str:
-        return identity_key(self.namespace or DEFAULT_NAMESPACE, self.service_account)
-
-    @cached_property
-    def listener_name(self) -> str:
-        return f"{LISTENER_PREFIX}{self.uid}"
-
-    @cached_property
-    def _hash(self) -> int:
-        return hash(astuple_shallow(self))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    @property
-    def mesh_listener_name(self) -> str:
-        """The cluster ``mesh-<ns>`` the pod listener hands its connections to (it reaches
-        ``mesh`` or the namespace's own internal listener)."""
-        return namespace_listener_name(self.namespace)
-
-
-@dataclass(frozen=True)
-class Resilience:
-    """What protects callers from a bad endpoint, per Service port cluster (``aether-agent
-    run`` flags). kube-proxy has none of it; these are the defaults a platform team expects
-    from a mesh, each one switchable off."""
-
-    # passive outlier detection: this many consecutive failures (5xx, refused or timed-out
-    # connects) eject an endpoint for ``ejection_s`` (longer each time); 0: off
-    outlier_failures: int = 5
-    ejection_s: float = 30.0
-    # never eject more than this share of a Service's endpoints at once
-    max_ejection_percent: int = 50
-    # tcp_proxy: a refused or timed-out connect is tried again on another endpoint, this
-    # many attempts in all (1: no retry, as kube-proxy)
-    connect_attempts: int = 2
-    # connections per Service port cluster; 0: no limit (Envoy's default of 1024 is far
-    # too few for a node proxy every pod shares)
-    max_connections: int = 0
-    # requests (HTTP) or connections (L4) waiting for an upstream connection past that
-    # limit, and concurrent HTTP requests; None: the same as ``max_connections``; 0: no limit
-    max_pending_requests: int | None = None
-    max_requests: int | None = None
-    # retries (where a GAMMA route asks for them) may add at most this share of requests
-    retry_budget_percent: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -278,636 +243,12 @@ class NodeXdsState:
     traffic_metrics: bool = True
 
 
-def service_cluster_name(namespace: str, name: str, port: int) -> str:
-    """``svc|<ns>|<name>|<port>``: namespace-aware, unambiguous (no '|' in k8s names)."""
-    return f"{SERVICE_CLUSTER_PREFIX}{namespace}|{name}|{port}"
-
-
-POD_CLUSTER_PREFIX = "pod|"
-
-
-def pod_cluster_name(namespace: str, service: str, ip: str, port: int) -> str:
-    """``pod|<ns>|<service>|<ip>|<port>``: one endpoint of a headless Service, dialled by
-    its address."""
-    return f"{POD_CLUSTER_PREFIX}{namespace}|{service}|{ip}|{port}"
-
-
-def parse_service_cluster_name(cluster: str) -> tuple[str, str, int] | None:
-    """Inverse of ``service_cluster_name`` (stats and status read cluster names back)."""
-    parts = cluster.split("|")
-    if len(parts) != 4 or parts[0] + "|" != SERVICE_CLUSTER_PREFIX or not parts[3].isdigit():
-        return None
-    return parts[1], parts[2], int(parts[3])
-
-
-def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
-    return address_pb2.Address(
-        socket_address=address_pb2.SocketAddress(
-            address=ip, port_value=port, network_namespace_filepath=netns_path
-        )
-    )
-
-
-_HTTP_FAILURE_LOG: accesslog_pb2.AccessLog | None = None
-
-
-def http_failure_access_log() -> accesslog_pb2.AccessLog:
-    """Stdout access log for the GAMMA HCM that fires only for failed requests (status >= 500
-    or any response flag); built once, shared by every HTTP chain."""
-    global _HTTP_FAILURE_LOG
-    if _HTTP_FAILURE_LOG is None:
-        log = stdout_access_log(HTTP_FAILURE_LOG_FORMAT)
-        five_xx = accesslog_pb2.StatusCodeFilter(comparison=accesslog_pb2.ComparisonFilter(
-            op=accesslog_pb2.ComparisonFilter.GE))
-        five_xx.comparison.value.default_value = 500
-        log.filter.or_filter.filters.add().status_code_filter.CopyFrom(five_xx)
-        # no flags listed: any response flag matches
-        log.filter.or_filter.filters.add().response_flag_filter.SetInParent()
-        _HTTP_FAILURE_LOG = log
-    return _HTTP_FAILURE_LOG
-
-
-def _grpc_access_log() -> accesslog_pb2.AccessLog:
-    """TCP gRPC access log to the agent over the bootstrap's ``xds`` unix-socket cluster.
-
-    The config is identical in every namespace listener (names come from formatter tags,
-    not literals), so Envoy shares one logger and one stream per worker thread. The
-    ``listener`` tag is the pod listener (filter state set by it), ``mesh_listener`` the
-    internal listener that logged the connection.
-    """
-    common = als_pb2.CommonGrpcAccessLogConfig(
-        log_name=ALS_LOG_NAME,
-        transport_api_version=config_source_pb2.V3,
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=AGENT_GRPC_CLUSTER)
-        ),
-        custom_tags=[
-            custom_tag_pb2.CustomTag(tag=ALS_LISTENER_TAG, value=CAPTURE_LISTENER_FORMAT),
-            custom_tag_pb2.CustomTag(tag=ALS_MESH_LISTENER_TAG, value="%LISTENER_NAME%"),
-        ],
-    )
-    log = accesslog_pb2.AccessLog(name="envoy.access_loggers.tcp_grpc")
-    log.typed_config.Pack(als_pb2.TcpGrpcAccessLogConfig(common_config=common))
-    return log
-
-
-def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
-                      ) -> listener_components_pb2.FilterChain:
-    """The default chain: anything not a Service ClusterIP goes to its original destination.
-    ``connection_log`` reports every connection to the agent (``aether-agent run --access-log``);
-    ``learn_access_log`` streams every connection to the agent (see ``learn_chains`` for the
-    narrow form the agent uses)."""
-    return listener_components_pb2.FilterChain(
-        name="passthrough", filters=[_passthrough_proxy(learn_access_log, connection_log,
-                                                        PASSTHROUGH_STATS["outside"])])
-
-
-def _passthrough_proxy(learn: bool, connection_log: bool, stat_prefix: str
-                       ) -> listener_components_pb2.Filter:
-    """tcp_proxy to the ORIGINAL_DST cluster with the access-log report (``--access-log``:
-    the agent writes it as a JSON record) and/or the learning stream."""
-    logs = (([traffic_access_log()] if connection_log else [])
-            + ([_grpc_access_log()] if learn else []))
-    # the stat prefix is the destination class (agent.envoy.envoy_stats counts them)
-    return tcp_proxy_filter(stat_prefix, PASSTHROUGH_CLUSTER, *logs)
-
-
-def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
-                 ) -> tuple[listener_components_pb2.FilterChain, ...]:
-    """Passthrough chains that also stream to the agent's access log service, one per port,
-    matching the ClusterIPs (/32, /128) learning can act on; every other passthrough
-    connection streams nothing (the gRPC entry and its handling in the agent cost as much
-    per connection as proxying it). Per port, because chain matching narrows on the port
-    first: a port-less chain would lose to any Service chain on the same port."""
-    by_port: dict[int, list[address_pb2.CidrRange]] = {}
-    for ip, port in sorted(set(targets), key=lambda t: (t[1], t[0])):
-        cidr = _cidr(ip)
-        if cidr is not None:
-            by_port.setdefault(port, []).append(cidr)
-    out = []
-    for port, cidrs in sorted(by_port.items()):
-        match = listener_components_pb2.FilterChainMatch(prefix_ranges=cidrs)
-        match.destination_port.value = port
-        out.append(listener_components_pb2.FilterChain(
-            name=f"learn-{port}", filter_chain_match=match,
-            filters=[_passthrough_proxy(True, connection_log, PASSTHROUGH_STATS["mesh"])]))
-    return tuple(out)
-
-
-def _cidr(ip: str) -> address_pb2.CidrRange | None:
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return None
-    cidr = address_pb2.CidrRange(address_prefix=str(addr))
-    cidr.prefix_len.value = addr.max_prefixlen
-    return cidr
-
-
-def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1,
-                  logs: TrafficLogs | None = None) -> listener_components_pb2.FilterChain:
-    """Plain TCP chain for one Service port: ClusterIPs (/32, /128) + port -> its EDS cluster.
-
-    Matched on the original destination. The GAMMA work swaps in an HTTP variant (same
-    match, HCM instead of tcp_proxy) for appProtocol http; see ``chain_for``.
-    """
-    cluster = service_cluster_name(view.namespace, view.name, port.port)
-    match = listener_components_pb2.FilterChainMatch(
-        prefix_ranges=[c for c in map(_cidr, view.cluster_ips) if c is not None],
-    )
-    match.destination_port.value = port.port
-    tcp = tcp_proxy_pb2.TcpProxy()
-    if connect_attempts > 1:
-        tcp.max_connect_attempts.value = connect_attempts  # the next try: another endpoint
-    if view.traffic.client_ip_affinity:
-        # sessionAffinity: ClientIP: the cluster hashes (Maglev) on the caller pod's address,
-        # restored on the namespace listener, so one pod keeps its endpoint across connections
-        tcp.hash_policy.add().source_ip.SetInParent()
-    return listener_components_pb2.FilterChain(
-        name=cluster,
-        filter_chain_match=match,
-        # no per-chain access log: at 10k Services it was most of each chain's bytes; the
-        # passthrough chain keeps its log (learning) and cluster stats cover Service traffic
-        filters=[tcp_proxy_filter(cluster, cluster,
-                                  *tcp_traffic_logs(logs), config=tcp)],
-    )
-
-
-ChainResult: TypeAlias = (
-    "listener_components_pb2.FilterChain | Sequence[listener_components_pb2.FilterChain]")
-
-
-def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: GammaResult | None = None) -> bool:
-    """Whether ``chain_for`` can differ by caller namespace for this Service port.
-
-    False: the chain is built once (``caller_ns=None``) and shared by every namespace
-    listener. True: built once per namespace listener — a consumer route (GEP-1294) gives
-    the callers in its namespace their own table for this target.
-    """
-    return gamma is not None and bool(gamma.consumer_namespaces(view.key, port.port))
-
-
-def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
-              gamma: GammaResult | None = None, connect_attempts: int = 1,
-              logs: TrafficLogs | None = None) -> ChainResult:
-    """Chain builder dispatch: the L4 chain, or the GAMMA HTTP chain(s) when route tables
-    attach to this Service port (by appProtocol; http_inspector detection when unset).
-
-    ``caller_ns`` is the namespace of the calling pods (``SHARED_CALLERS`` for ``mesh``), or None
-    for a chain shared by all callers (see ``chain_varies_by_caller``). May return one chain
-    or several (HTTP + L4 fallback); all match only this Service port.
-    """
-    from agent.envoy.http_routes import balances_per_request, service_port_chains
-
-    def tcp_chain(v: ServiceView, p: ServicePort) -> listener_components_pb2.FilterChain:
-        return service_chain(v, p, connect_attempts, logs)
-
-    if gamma is None and not balances_per_request(port):
-        return tcp_chain(view, port)
-    table = (None if gamma is None
-             else gamma.table_for(view.key, port.port, caller_ns) if caller_ns is not None
-             else gamma.tables.get((view.key, port.port, None)))
-    return service_port_chains(view, port, table, tcp_chain=tcp_chain,
-                               cluster_name=service_cluster_name,
-                               access_log=(http_failure_access_log(), *http_traffic_logs(logs)))
-
-
-def gamma_signature(gamma: GammaResult | None, key: str) -> tuple[Any, ...]:
-    """What of the GAMMA result one Service's chains depend on (compared by value)."""
-    if gamma is None:
-        return ()
-    return tuple(sorted(((p, s or ""), t) for (k, p, s), t in gamma.tables.items() if k == key))
-
-
-def detect_ports(gamma: GammaResult | None, services: Sequence[ServiceView]) -> tuple[int, ...]:
-    """Destination ports where http_inspector must run: routed ports with no appProtocol."""
-    if gamma is None:
-        return ()
-    from agent.envoy.http_routes import port_protocol
-
-    routed = {(k, p) for (k, p, _s) in gamma.tables}
-    out = {sp.port for v in services for sp in v.ports
-           if (v.key, sp.port) in routed and port_protocol(sp) == "detect"}
-    return tuple(sorted(out))
-
-
-def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float,
-                          mark: int = PASSTHROUGH_MARK, tunnel: bool = False,
-                          resilience: Resilience = Resilience()) -> cluster_pb2.Cluster:
-    """EDS cluster over ADS. Panic mode is off so DRAINING/UNHEALTHY hosts never get
-    new connections even when most hosts are out (Kubernetes readiness semantics). It also
-    carries the upstream HTTP protocol for when a GAMMA route sends HTTP here (h2c for gRPC
-    backends); tcp_proxy ignores it. Upstream sockets are opened in the calling pod's netns
-    with the mark, pooled per downstream connection (``upstream_bind_config``).
-    ``tunnel`` (mesh identity on): the endpoints are ``mtls-out`` internal addresses instead
-    and the pod's netns travels there in filter state (``agent.envoy.mtls``)."""
-    from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
-
-    name = service_cluster_name(view.namespace, view.name, port)
-    cluster = cluster_pb2.Cluster(
-        name=name,
-        type=cluster_pb2.Cluster.EDS,
-        connect_timeout=duration(connect_timeout_s),
-        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-        eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
-            service_name=name,
-            eds_config=config_source_pb2.ConfigSource(
-                ads=config_source_pb2.AggregatedConfigSource(),
-                resource_api_version=config_source_pb2.V3,
-            ),
-        ),
-        connection_pool_per_downstream_connection=True,
-    )
-    apply_resilience(cluster, resilience, view.traffic)
-    if tunnel:
-        cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
-    else:
-        cluster.upstream_bind_config.CopyFrom(upstream_bind_config(mark))
-    cluster.common_lb_config.healthy_panic_threshold.value = 0.0
-    # host health changes (an outlier ejection, its end) reach the workers' load balancers
-    # at once; Envoy's default merge window (1 s) kept sending an ejected endpoint its share
-    # for up to a second after it was ejected
-    cluster.common_lb_config.update_merge_window.CopyFrom(duration(0.0))
-    if view.traffic.client_ip_affinity:
-        # consistent hashing on the caller's address (tcp_proxy / route hash policies);
-        # Maglev moves few callers when an endpoint comes or goes
-        cluster.lb_policy = cluster_pb2.Cluster.MAGLEV
-    sp = next((p for p in view.ports if p.port == port), None)
-    if tunnel:
-        from agent.envoy.http_routes import port_protocol
-        mtls.set_hop_metadata(cluster, port_protocol(sp) if sp is not None else "detect")
-    cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
-        upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
-    return cluster
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
-
-
-def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience,
-                     traffic: TrafficPolicy | None = None) -> None:
-    """Outlier detection, connection limits and the retry budget on a Service cluster (the
-    Service's XBackendTrafficPolicy budget, when it has one, over the agent's default)."""
-    t = cluster.circuit_breakers.thresholds.add()
-    for f, n in (("max_connections", r.max_connections),
-                 ("max_pending_requests", _or(r.max_pending_requests, r.max_connections)),
-                 ("max_requests", _or(r.max_requests, r.max_connections))):
-        getattr(t, f).value = n if n > 0 else mtls.UNLIMITED
-    budget = traffic.retry_budget_percent if traffic is not None else None
-    floor = traffic.min_retry_concurrency if traffic is not None else None
-    t.retry_budget.budget_percent.value = r.retry_budget_percent if budget is None else budget
-    t.retry_budget.min_retry_concurrency.value = 3 if floor is None else floor
-    if r.outlier_failures > 0:
-        od = cluster.outlier_detection
-        # a refused or timed-out connect counts as a 5xx (local-origin errors are not split)
-        od.consecutive_5xx.value = r.outlier_failures
-        od.consecutive_gateway_failure.value = r.outlier_failures
-        od.enforcing_consecutive_gateway_failure.value = 100
-        od.interval.CopyFrom(duration(5.0))
-        od.base_ejection_time.CopyFrom(duration(r.ejection_s))
-        od.max_ejection_percent.value = r.max_ejection_percent
-        od.enforcing_success_rate.value = 0  # only consecutive failures eject
-
-
-def endpoint_health(ep: Endpoint) -> int:
-    """Ready (or published whatever its state) → HEALTHY; terminating but still serving
-    (Ready) → HEALTHY, in the fallback priority (see ``endpoint_priority``); terminating and
-    not serving → DRAINING; not ready → UNHEALTHY. Never sent new connections unless
-    HEALTHY (panic mode is off)."""
-    if ep.always_ready or ep.ready:
-        return int(health_check_pb2.HEALTHY)
-    return int(health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNHEALTHY)
-
-
-def endpoint_priority(ep: Endpoint) -> int:
-    """Not terminating (or published regardless) before terminating: as kube-proxy does, a
-    terminating endpoint that still serves gets traffic only when no ready endpoint is left.
-    Within each, the endpoints trafficDistribution prefers (this zone / this node) before
-    the others, which take over when no preferred one is left. Compressed to contiguous
-    priorities by ``build_load_assignment``."""
-    terminating = 0 if ep.always_ready or not ep.draining else 1
-    return 2 * terminating + (0 if ep.preferred else 1)
-
-
-# Envoy spills a priority's load to the next one as its healthy share drops below
-# 100/1.4 %; Kubernetes does not spill while any ready endpoint exists. A factor this large
-# keeps every request at priority 0 while one of its hosts is healthy.
-OVERPROVISIONING_FACTOR = 1_000_000
-
-
-def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
-    """A host: its address and health, nothing else. The node Envoy holds every endpoint of
-    the cluster, and per-host metadata is a Struct per host there: naming each host's pod,
-    identity and SAN cost the node Envoy ~560 MB at 100k endpoints (bench/README.md, twelfth
-    session), for config dumps only: nothing in Envoy read it. The mesh hop's host keeps
-    what ``mtls-out`` reads (its SAN and address)."""
-    if tunnel:
-        return mtls.tunnel_lb_endpoint(ep.ip, ep.port, ep.san, endpoint_health(ep))
-    # fields set in place, not built as messages and copied in: one per remote pod at
-    # cluster scale, 8.7 -> 3.6 us each (measured)
-    lb = endpoint_components_pb2.LbEndpoint(health_status=endpoint_health(ep))
-    sa = lb.endpoint.address.socket_address
-    sa.address, sa.port_value = ep.ip, ep.port
-    return lb
-
-
-def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
-                          tunnel: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
-    """Endpoints sorted and de-duplicated by ip:port (Envoy wants unique hosts), one
-    priority per tier of ``endpoint_priority`` that has endpoints, contiguous from 0."""
-    seen: set[tuple[str, int]] = set()
-    lbs = []
-    for ep in sorted(endpoints, key=lambda e: (e.ip, e.port, e.draining, not e.ready)):
-        if (ep.ip, ep.port) in seen:
-            continue
-        seen.add((ep.ip, ep.port))
-        lbs.append((endpoint_priority(ep), _lb_endpoint(ep, tunnel)))
-    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
-    for priority in sorted(set(p for p, _ in lbs)):
-        cla.endpoints.add(priority=len(cla.endpoints),  # contiguous from 0
-                          lb_endpoints=[lb for p, lb in lbs if p == priority])
-    if len(cla.endpoints) > 1:
-        cla.policy.overprovisioning_factor.value = OVERPROVISIONING_FACTOR
-    return cla
-
-
-def _capture_chain(pod: PodListener, mesh_identity: bool = False
-                   ) -> listener_components_pb2.FilterChain:
-    """Hand the connection, its original destination/source and the pod listener name to
-    the pod namespace's internal listener (filter state shared with the upstream once), and
-    the pod's netns path to every hop after it (transitive), so the final upstream socket is
-    opened inside the pod's netns (see ``upstream_bind_config``)."""
-    state_filter = set_filter_state(
-        state_value(ORIGINAL_DST_LOCAL_STATE, "%DOWNSTREAM_LOCAL_ADDRESS%"),
-        state_value(ORIGINAL_DST_REMOTE_STATE, "%DOWNSTREAM_REMOTE_ADDRESS%"),
-        state_value(CAPTURE_LISTENER_STATE, pod.listener_name, STRING_STATE_FACTORY),
-        state_value(SOURCE_STATE, pod.source, STRING_STATE_FACTORY),
-        state_value(UPSTREAM_NETNS_STATE, pod.netns_path, STRING_STATE_FACTORY, TRANSITIVE),
-        *([mtls.caller_state(pod.identity)] if mesh_identity else []),
-    )
-    return listener_components_pb2.FilterChain(
-        name="capture",
-        filters=[state_filter, tcp_proxy_filter("capture", pod.mesh_listener_name)],
-    )
-
-
-def build_listener(pod: PodListener, capture_port: int, mesh_identity: bool = False
-                   ) -> listener_pb2.Listener:
-    """The pod's capture listener on the loopbacks of its netns (v4 and/or v6): constant
-    size, independent of the Services (they live in the namespace's internal listener).
-    ``mesh_identity``: the pod's SVID is held, its mesh connections carry its identity."""
-    ips = (["127.0.0.1"] if pod.ipv4 else []) + (["::1"] if pod.ipv6 else [])
-    if not ips:
-        raise ValueError(f"pod {pod.uid}: at least one of ipv4/ipv6 must be enabled")
-    addrs = [_socket_address(ip, capture_port, pod.netns_path) for ip in ips]
-    listener = listener_pb2.Listener(
-        name=pod.listener_name,
-        stat_prefix=pod.listener_name,
-        address=addrs[0],
-        listener_filters=[original_dst_filter()],
-        default_filter_chain=_capture_chain(pod, mesh_identity),
-    )
-    for a in addrs[1:]:
-        listener.additional_addresses.add().address.CopyFrom(a)
-    listener.bind_to_port.value = True
-    return listener
-
-
-# Listener.filter_chains is field 3, length-delimited: tag byte 3 << 3 | 2.
-_FILTER_CHAINS_TAG = bytes([3 << 3 | 2])
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def encode_chains(chains: Sequence[listener_components_pb2.FilterChain]) -> bytes:
-    """``chains`` as the wire bytes of ``Listener.filter_chains`` entries (deterministic).
-
-    Protobuf wire format lets repeated fields be appended in any position, so a namespace
-    listener is its small head serialized + the concatenated chain bytes of every Service:
-    the 10k-chain listener is assembled with one ``bytes.join`` and never exists as a proto.
-    """
-    out = []
-    for c in chains:
-        data = c.SerializeToString(deterministic=True)
-        out += [_FILTER_CHAINS_TAG, _varint(len(data)), data]
-    return b"".join(out)
-
-
-class RawResource:
-    """A resource held as its serialized bytes (the big namespace listeners).
-
-    Quacks enough like the proto for the xDS server (``SerializeToString``, ``ByteSize``,
-    ``name``); ``message()`` parses a fresh proto (and attribute access falls back to it,
-    for tests and debugging: each access parses, so do not use it on hot paths).
-    """
-
-    __slots__ = ("name", "data", "cls", "_digest")
-
-    def __init__(self, cls: type[Message], name: str, data: bytes) -> None:
-        self.cls = cls
-        self.name = name
-        self.data = data
-        self._digest: str | None = None
-
-    def digest(self) -> str:
-        """``resource_hash``, computed once: the bytes never change (the xDS server needs no
-        memo of it, which at 10k Services was ~3 MB)."""
-        if self._digest is None:
-            self._digest = hashlib.sha256(self.data).hexdigest()[:16]
-        return self._digest
-
-    def SerializeToString(self, deterministic: bool = False) -> bytes:  # noqa: N802 - proto API
-        return self.data
-
-    def ByteSize(self) -> int:  # noqa: N802 - proto API
-        return len(self.data)
-
-    def message(self) -> Any:
-        msg = self.cls()
-        msg.ParseFromString(self.data)
-        return msg
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.message(), attr)
-
-    def __repr__(self) -> str:
-        return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
-
-
-class TrafficLogs(NamedTuple):
-    """What a Service chain logs: ``metrics``, the golden metrics' stats loggers (counted in
-    Envoy, agent.envoy.golden); ``records``, an access-log entry per connection or request
-    to the agent (``--access-log``)."""
-
-    metrics: bool = True
-    records: bool = False
-
-
-def tcp_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
-    if logs is None:
-        return []
-    return (([tcp_stats_log()] if logs.metrics else [])
-            + ([traffic_access_log()] if logs.records else []))
-
-
-def http_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
-    if logs is None:
-        return []
-    return (([http_stats_log()] if logs.metrics else [])
-            + ([request_access_log()] if logs.records else []))
-
-
-def traffic_access_log() -> accesslog_pb2.AccessLog:
-    """A Service chain's log: one entry per connection (the calling pod, the chain, the
-    upstream cluster, bytes, response flags). Per chain, because Envoy emits no
-    listener-level access log for connections of an internal listener."""
-    return tcp_grpc_access_log(TRAFFIC_LOG_NAME,
-                               {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS})
-
-
-def request_access_log() -> accesslog_pb2.AccessLog:
-    """One entry per request on an HTTP chain (status, duration, route, gRPC status)."""
-    return http_grpc_access_log(REQUEST_LOG_NAME,
-                                {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS},
-                                response_headers=("grpc-status",))
-
-
-def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = (),
-                    connection_log: bool = False) -> bytes:
-    """Everything of ``mesh-<ns>`` but its Service chains, serialized."""
-    name = namespace_listener_name(namespace)
-    filters = [original_dst_filter()]
-    if detect:
-        from agent.envoy.http_routes import http_inspector_listener_filter
-
-        inspector = http_inspector_listener_filter(detect)
-        if inspector is not None:
-            filters.append(inspector)
-    lis = listener_pb2.Listener(
-        name=name,
-        stat_prefix=name,
-        internal_listener=listener_pb2.Listener.InternalListenerConfig(),
-        listener_filters=filters,
-        default_filter_chain=passthrough_chain(learn_access_log, connection_log),
-    )
-    if detect:
-        lis.continue_on_listener_filters_timeout = True
-    data: bytes = lis.SerializeToString(deterministic=True)
-    return data
-
-
-def build_namespace_listener(namespace: str,
-                             chains: Sequence[listener_components_pb2.FilterChain] = (),
-                             learn_access_log: bool = True,
-                             connection_log: bool = False) -> listener_pb2.Listener:
-    """Internal listener ``mesh-<ns>``: Service chains on the restored destination, then
-    the passthrough default chain (parsed from the same bytes the builder serves)."""
-    return listener_pb2.Listener.FromString(
-        _namespace_head(namespace, learn_access_log, connection_log=connection_log)
-        + encode_chains(chains))
-
-
-def build_namespace_cluster(namespace: str, connect_timeout_s: float,
-                            listener: str | None = None) -> cluster_pb2.Cluster:
-    """STATIC cluster ``mesh-<ns>`` whose only host is an internal listener: ``listener``
-    (the shared ``mesh``), or ``mesh-<ns>`` when None; ``internal_upstream`` passes the pod
-    listener's shared filter state along."""
-    name = namespace_listener_name(namespace)
-    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name=name)
-    cla.endpoints.add().lb_endpoints.add().endpoint.address.envoy_internal_address \
-        .server_listener_name = listener or name
-    return cluster_pb2.Cluster(
-        name=name,
-        type=cluster_pb2.Cluster.STATIC,
-        connect_timeout=duration(connect_timeout_s),
-        load_assignment=cla,
-        transport_socket=internal_upstream(),
-    )
-
-
-def _register_selector_config() -> None:
-    """xds-protos does not ship the (empty) selector config message; register it in the
-    default pool so JSON views of our clusters (bootstrap validation, config dumps) resolve
-    its ``@type``. The wire form needs nothing: an Any with the type URL and no bytes."""
-    name = NETNS_ADDRESS_SELECTOR_TYPE.rsplit("/", 1)[1]
-    pool = descriptor_pool.Default()
-    try:
-        pool.FindMessageTypeByName(name)
-        return
-    except KeyError:
-        pass
-    package, _, message = name.rpartition(".")
-    fdp = descriptor_pb2.FileDescriptorProto(
-        name=package.replace(".", "/") + "/config.proto", package=package, syntax="proto3")
-    fdp.message_type.add(name=message)
-    pool.Add(fdp)
-
-
-_register_selector_config()
-
-
-def upstream_bind_config(mark: int) -> address_pb2.BindConfig:
-    """Upstream sockets of captured traffic: opened in the pod's netns, stamped with the mark.
-
-    The ``filter_state_override`` local address selector moves the bind address into the netns
-    named by the ``UPSTREAM_NETNS_STATE`` filter state (set by the pod listener, shared
-    transitively); it only overrides an address that exists, hence the wildcard source
-    addresses (IPv4, and IPv6 as an extra address picked for IPv6 endpoints). Port 0 and the
-    wildcard IP leave the source to the kernel in that netns, as for the pod's own sockets, so
-    the destination sees the pod's address and the pod's routes and policies apply. SO_MARK
-    is set before bind; the pod's rules RETURN the mark only for the proxy's cgroup.
-    Connections without that filter state (none today) would leave from Envoy's own netns.
-    """
-    opt = socket_option_pb2.SocketOption(
-        description="SO_MARK passthrough",
-        level=SOL_SOCKET,
-        name=SO_MARK,
-        int_value=mark,
-        state=socket_option_pb2.SocketOption.STATE_PREBIND,
-    )
-    bind = address_pb2.BindConfig(
-        source_address=address_pb2.SocketAddress(address="0.0.0.0", port_value=0),
-        socket_options=[opt],
-    )
-    bind.extra_source_addresses.add().address.CopyFrom(
-        address_pb2.SocketAddress(address="::", port_value=0))
-    bind.local_address_selector.name = NETNS_ADDRESS_SELECTOR
-    bind.local_address_selector.typed_config.type_url = NETNS_ADDRESS_SELECTOR_TYPE
-    return bind
-
-
-def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb2.Cluster:
-    """ORIGINAL_DST cluster: the restored original destination, reached from the pod's netns.
-
-    Used from the internal listeners, where the destination is the one ``original_dst``
-    restored from filter state. One connection pool per downstream connection: a pooled
-    upstream connection was opened in one pod's netns and must never carry another's bytes.
-    """
-    return cluster_pb2.Cluster(
-        name=PASSTHROUGH_CLUSTER,
-        type=cluster_pb2.Cluster.ORIGINAL_DST,
-        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        connect_timeout=duration(connect_timeout_s),
-        upstream_bind_config=upstream_bind_config(mark),
-        connection_pool_per_downstream_connection=True,
-    )
-
 
 def _as_chains(result: ChainResult) -> tuple[listener_components_pb2.FilterChain, ...]:
     if isinstance(result, listener_components_pb2.FilterChain):
         return (result,)
     return tuple(result)
+
 
 
 @dataclass
@@ -924,6 +265,7 @@ class _ServiceEntry:
     eds: tuple[tuple[str, tuple[tuple[Endpoint, ...], RawResource]], ...]
     # caller namespace -> port -> chain bytes, for ports whose chains vary by caller
     per_caller: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
 
 
 @dataclass
@@ -943,18 +285,22 @@ class _ServiceTables:
     claimed: frozenset[tuple[str, int]] = frozenset()  # (ClusterIP, port) with a chain
 
 
+
 def _raw(msg: Message, name: str) -> RawResource:
     """Per-Service clusters and endpoints are kept serialized: 10k of them as upb protos
     cost ~80 MB, as bytes ~5 MB."""
     return RawResource(type(msg), name, msg.SerializeToString(deterministic=True))
 
 
+
 def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
+
 def _same_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(map(operator.is_, a.values(), b.values()))
+
 
 
 class ResourceBuilder:
@@ -1484,14 +830,8 @@ class ResourceBuilder:
         return self._secrets[1]
 
 
+
 def build_resources(state: NodeXdsState, builder: ResourceBuilder | None = None
                     ) -> dict[str, dict[str, Any]]:
     """type_url -> {resource name: proto}; pass a long-lived ``builder`` to reuse protos."""
     return (builder or ResourceBuilder()).build(state)
-
-
-def resource_hash(msg: Message | RawResource) -> str:
-    """Stable content hash used as the per-resource version in delta xDS."""
-    if type(msg) is RawResource:
-        return msg.digest()
-    return hashlib.sha256(msg.SerializeToString(deterministic=True)).hexdigest()[:16]
