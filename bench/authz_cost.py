@@ -83,10 +83,9 @@ def _enforced(agent: AgentProc, pod: str) -> int:
         return -1
 
 
-def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
-    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "a", 215)
-    pods: list[Pod] = []
-    srv: ServerEnvoy | None = None
+def _policy_switch(agent: AgentProc, timeout: float, settle_s: float) -> Any:
+    """``set(on)``: the ten policies in the manifest directory (or none), returning once the
+    server's listener carries them and ``settle_s`` more have passed."""
     policy_file = os.path.join(agent.manifests, "authz.yaml")
 
     def set_policies(on: bool) -> None:
@@ -95,9 +94,18 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         elif os.path.exists(policy_file):
             os.remove(policy_file)
         want = POLICY_COUNT if on else 0
-        _wait(lambda: _enforced(agent, f"{NS}/server") == want, 30,
+        _wait(lambda: _enforced(agent, f"{NS}/server") == want, timeout,
               f"the server's listener never carried {want} policies")
-        time.sleep(1.0)  # Envoy's ACK of that listener, and its drain of the old one
+        time.sleep(settle_s)
+    return set_policies
+
+
+def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
+    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "a", 215)
+    pods: list[Pod] = []
+    srv: ServerEnvoy | None = None
+    # Envoy's ACK of the listener, and its drain of the old one
+    set_policies = _policy_switch(agent, timeout=30, settle_s=1.0)
     try:
         progress("[authz] starting the agent with --identity-ca-dir …")
         agent.start()
@@ -209,17 +217,8 @@ def run_callgrind(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
         workdir, "g", 216, extra=("--envoy-binary", wrapper, "--listener-timeout", "300"))
     pods: list[Pod] = []
     srv: ServerEnvoy | None = None
-    policy_file = os.path.join(agent.manifests, "authz.yaml")
-
-    def set_policies(on: bool) -> None:
-        if on:
-            agent.write("authz.yaml", policies())
-        elif os.path.exists(policy_file):
-            os.remove(policy_file)
-        want = POLICY_COUNT if on else 0
-        _wait(lambda: _enforced(agent, f"{NS}/server") == want, 120,
-              f"the server's listener never carried {want} policies")
-        time.sleep(15.0)  # Envoy (slow here) ACKs that listener and drains the old one
+    # Envoy (slow here) ACKs the listener and drains the old one
+    set_policies = _policy_switch(agent, timeout=120, settle_s=15.0)
     try:
         progress("[authz-callgrind] starting the agent, its Envoy under callgrind …")
         agent.start()

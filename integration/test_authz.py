@@ -184,6 +184,16 @@ ALLOW_A = policy("allow-a", {"selector": {"matchLabels": {"app": "echo"}}, "rule
     {"from": [{"source": {"principals": [f"{TD}/ns/app/sa/a"]}}]}]})
 
 
+def decisions(w: World, policy_: str, action: str, decision: str) -> float:
+    """The server's ``aether_authz_decisions_total`` series for that policy, action and
+    decision (-1: no such series); its workload is its pod name here (no owner)."""
+    text = w.node.agent.http("/metrics")[1]
+    labels = (f'action="{action}",decision="{decision}",dst_namespace="app",'
+              f'dst_workload="server",policy="{policy_}"')
+    m = re.search(r"aether_authz_decisions_total\{" + re.escape(labels) + r"\} (\S+)", text)
+    return float(m.group(1)) if m else -1.0
+
+
 def until(check: Any, what: str, timeout: float = 5.0) -> Any:
     """``check()`` until truthy within ``timeout`` s (the issue's bound for a change)."""
     return poll_until(check, what, timeout)
@@ -362,13 +372,7 @@ def test_http_fields_apply_on_an_undeclared_port_once_its_http_is_detected(
     # the declared port decides the same
     assert w.get(w.a, "/admin")[0] == 403 and w.get(w.a)[0] == 200
     # counted under the policies, detected requests included
-    def count(policy_: str, action: str, decision: str) -> float:
-        text = w.node.agent.http("/metrics")[1]
-        labels = (f'action="{action}",decision="{decision}",dst_namespace="app",'
-                  f'dst_workload="server",policy="{policy_}"')
-        m = re.search(r"aether_authz_decisions_total\{" + re.escape(labels) + r"\} (\S+)", text)
-        return float(m.group(1)) if m else -1.0
-    until(lambda: count("app/no-admin", "DENY", "deny") >= 2, "the denials were not counted")
+    until(lambda: decisions(w, "app/no-admin", "DENY", "deny") >= 2, "the denials were not counted")
     # policies without HTTP fields again: the pod's own detection listener goes, and the
     # undeclared port is judged as L4 once more
     w.policies(ALLOW_A)
@@ -418,15 +422,9 @@ def test_audit_never_denies_and_a_malformed_policy_is_reported_while_others_hold
     assert w.get(w.a)[0] == 200
     # counted: b's calls audited under watch-b, c's denied under deny-c (the server's
     # workload is its pod name here: no owner)
-    def count(policy_: str, action: str, decision: str) -> float:
-        text = w.node.agent.http("/metrics")[1]
-        labels = (f'action="{action}",decision="{decision}",dst_namespace="app",'
-                  f'dst_workload="server",policy="{policy_}"')
-        m = re.search(r"aether_authz_decisions_total\{" + re.escape(labels) + r"\} (\S+)", text)
-        return float(m.group(1)) if m else -1.0
-    until(lambda: count("app/watch-b", "AUDIT", "audit") >= 2, "b's calls were not audited")
-    until(lambda: count("app/deny-c", "DENY", "deny") >= 1, "c's denial was not counted")
-    assert count("*", "ALLOW", "deny") == -1.0  # no ALLOW policy selects the server
+    until(lambda: decisions(w, "app/watch-b", "AUDIT", "audit") >= 2, "b's calls were not audited")
+    until(lambda: decisions(w, "app/deny-c", "DENY", "deny") >= 1, "c's denial was not counted")
+    assert decisions(w, "*", "ALLOW", "deny") == -1.0  # no ALLOW policy selects the server
     logs = until(lambda: "ALOW" in w.node.agent.logs() and w.node.agent.logs(),
                  "the malformed policy was not reported")
     line = next(json.loads(ln) for ln in logs.splitlines()

@@ -16,8 +16,9 @@ peer's verified ID is a filter-state object the inbound listener set from the ce
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from envoy.config.rbac.v3 import rbac_pb2
 from envoy.config.route.v3 import route_components_pb2
@@ -36,6 +37,7 @@ from agent.authz.policy import (
     effective_rules,
 )
 
+T = TypeVar("T")
 NETWORK_RBAC = "envoy.filters.network.rbac"
 HTTP_RBAC = "envoy.filters.http.rbac"
 _ACTIONS = {DENY: rbac_pb2.RBAC.DENY, ALLOW: rbac_pb2.RBAC.ALLOW, AUDIT: rbac_pb2.RBAC.LOG}
@@ -134,25 +136,29 @@ def _cidr_id(block: str, at: Vantage = MTLS) -> rbac_pb2.Principal:
     return rbac_pb2.Principal(direct_remote_ip=cidr)
 
 
-def source_principal(s: Source, trust_domain: str | None = None, at: Vantage = MTLS
-                     ) -> rbac_pb2.Principal:
-    parts: list[rbac_pb2.Principal] = []
-
-    def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
-        if yes:
-            parts.append(_any_id(yes))
-        if no:
-            parts.append(rbac_pb2.Principal(not_id=_any_id(no)))
-
-    pair([_principal_id(_glob(p, "spiffe://"), at) for p in s.principals],
-         [_principal_id(_glob(p, "spiffe://"), at) for p in s.not_principals])
-    pair([_principal_id(_ns_matcher(n, trust_domain), at) for n in s.namespaces],
-         [_principal_id(_ns_matcher(n, trust_domain), at) for n in s.not_namespaces])
-    pair([_cidr_id(b, at) for b in s.ip_blocks], [_cidr_id(b, at) for b in s.not_ip_blocks])
+def _all_ids(pairs: Sequence[tuple[Sequence[rbac_pb2.Principal], Sequence[rbac_pb2.Principal]]]
+             ) -> rbac_pb2.Principal:
+    """Every field given must match: for each (yes, no), one of ``yes`` and none of ``no``."""
+    parts = [x for yes, no in pairs for x in (
+        [_any_id(yes)] if yes else []) + ([rbac_pb2.Principal(not_id=_any_id(no))] if no else [])]
     if not parts:
         return rbac_pb2.Principal(any=True)
     return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
         and_ids=rbac_pb2.Principal.Set(ids=parts))
+
+
+def source_principal(s: Source, trust_domain: str | None = None, at: Vantage = MTLS
+                     ) -> rbac_pb2.Principal:
+    def ids(patterns: Sequence[str]) -> list[rbac_pb2.Principal]:
+        return [_principal_id(_glob(p, "spiffe://"), at) for p in patterns]
+
+    def nss(patterns: Sequence[str]) -> list[rbac_pb2.Principal]:
+        return [_principal_id(_ns_matcher(n, trust_domain), at) for n in patterns]
+
+    return _all_ids([(ids(s.principals), ids(s.not_principals)),
+                     (nss(s.namespaces), nss(s.not_namespaces)),
+                     ([_cidr_id(b, at) for b in s.ip_blocks],
+                      [_cidr_id(b, at) for b in s.not_ip_blocks])])
 
 
 def _any_perm(perms: Sequence[rbac_pb2.Permission]) -> rbac_pb2.Permission:
@@ -169,26 +175,31 @@ def _path(pattern: str) -> rbac_pb2.Permission:
     return rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=_glob(pattern)))
 
 
+def _operation_fields(o: Operation, port: Callable[[int], T],
+                      header: Callable[[str, string_pb2.StringMatcher], T],
+                      path: Callable[[str], T]) -> list[tuple[list[T], list[T]]]:
+    """An operation's fields as (one of, none of) pairs of matchers built by the callers'."""
+    def methods(ms: Sequence[str]) -> list[T]:
+        return [header(":method", string_pb2.StringMatcher(exact=m)) for m in ms]
+
+    def hosts(hs: Sequence[str]) -> list[T]:
+        return [header(":authority", _glob(h, ignore_case=True)) for h in hs]
+
+    return [([port(p) for p in o.ports], [port(p) for p in o.not_ports]),
+            (methods(o.methods), methods(o.not_methods)),
+            ([path(p) for p in o.paths], [path(p) for p in o.not_paths]),
+            (hosts(o.hosts), hosts(o.not_hosts))]
+
+
 def operation_permission(o: Operation, at: Vantage = MTLS) -> rbac_pb2.Permission:
-    parts: list[rbac_pb2.Permission] = []
-
-    def pair(yes: Sequence[rbac_pb2.Permission], no: Sequence[rbac_pb2.Permission]) -> None:
-        if yes:
-            parts.append(_any_perm(yes))
-        if no:
-            parts.append(rbac_pb2.Permission(not_rule=_any_perm(no)))
-
     def port(p: int) -> rbac_pb2.Permission:
         if not at.sni_port:
             return rbac_pb2.Permission(destination_port=p)
         return rbac_pb2.Permission(requested_server_name=string_pb2.StringMatcher(exact=str(p)))
 
-    pair([port(p) for p in o.ports], [port(p) for p in o.not_ports])
-    pair([_header(":method", string_pb2.StringMatcher(exact=m)) for m in o.methods],
-         [_header(":method", string_pb2.StringMatcher(exact=m)) for m in o.not_methods])
-    pair([_path(p) for p in o.paths], [_path(p) for p in o.not_paths])
-    pair([_header(":authority", _glob(h, ignore_case=True)) for h in o.hosts],
-         [_header(":authority", _glob(h, ignore_case=True)) for h in o.not_hosts])
+    parts = [x for yes, no in _operation_fields(o, port, _header, _path) for x in (
+        [_any_perm(yes)] if yes else [])
+        + ([rbac_pb2.Permission(not_rule=_any_perm(no))] if no else [])]
     if not parts:
         return rbac_pb2.Permission(any=True)
     return parts[0] if len(parts) == 1 else rbac_pb2.Permission(
@@ -282,34 +293,18 @@ def _header_id(name: str, m: string_pb2.StringMatcher) -> rbac_pb2.Principal:
 def operation_principal(o: Operation, at: Vantage) -> rbac_pb2.Principal:
     """An operation as a principal (the RBAC principal matchers cover headers and the path
     too; the port is read from ``at.port_state``)."""
-    if at.port_state is None:
-        raise ValueError("an operation as a principal needs the port in filter state")
     key = at.port_state
-    parts: list[rbac_pb2.Principal] = []
-
-    def pair(yes: Sequence[rbac_pb2.Principal], no: Sequence[rbac_pb2.Principal]) -> None:
-        if yes:
-            parts.append(_any_id(yes))
-        if no:
-            parts.append(rbac_pb2.Principal(not_id=_any_id(no)))
+    if key is None:
+        raise ValueError("an operation as a principal needs the port in filter state")
 
     def port(p: int) -> rbac_pb2.Principal:
         return rbac_pb2.Principal(filter_state=filter_state_pb2.FilterStateMatcher(
             key=key, string_match=string_pb2.StringMatcher(exact=str(p))))
 
-    pair([port(p) for p in o.ports], [port(p) for p in o.not_ports])
-    pair([_header_id(":method", string_pb2.StringMatcher(exact=m)) for m in o.methods],
-         [_header_id(":method", string_pb2.StringMatcher(exact=m)) for m in o.not_methods])
-    paths = [rbac_pb2.Principal(url_path=path_pb2.PathMatcher(path=_glob(p))) for p in o.paths]
-    not_paths = [rbac_pb2.Principal(url_path=path_pb2.PathMatcher(path=_glob(p)))
-                 for p in o.not_paths]
-    pair(paths, not_paths)
-    pair([_header_id(":authority", _glob(h, ignore_case=True)) for h in o.hosts],
-         [_header_id(":authority", _glob(h, ignore_case=True)) for h in o.not_hosts])
-    if not parts:
-        return rbac_pb2.Principal(any=True)
-    return parts[0] if len(parts) == 1 else rbac_pb2.Principal(
-        and_ids=rbac_pb2.Principal.Set(ids=parts))
+    def path(pattern: str) -> rbac_pb2.Principal:
+        return rbac_pb2.Principal(url_path=path_pb2.PathMatcher(path=_glob(pattern)))
+
+    return _all_ids(_operation_fields(o, port, _header_id, path))
 
 
 def _rule_principal(r: Rule, trust_domain: str | None, at: Vantage) -> rbac_pb2.Principal:
