@@ -100,6 +100,28 @@ def _policy_switch(agent: AgentProc, timeout: float, settle_s: float) -> Any:
     return set_policies
 
 
+def _serve(agent: AgentProc, kubelet: Any, pods: list[Pod], node_pods: tuple[Pod, Pod, Pod],
+           workdir: str, probe_s: float, timeout: float) -> tuple[ServerEnvoy, dict[str, str]]:
+    """Start the agent, add (server, client, outsider) and the server's backend; return it and
+    each shape's URL once each answers through the mTLS hop."""
+    agent.start()
+    for p in node_pods:
+        kubelet.add(p)
+        pods.append(p)
+    server, client = node_pods[0], node_pods[1]
+    srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
+    srv.start()
+    urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
+    try:
+        for m, url in urls.items():
+            _wait(lambda url=url: run_wrk(client.netns_name, url, probe_s, 1, 1).requests > 0,
+                  timeout, f"the Service never answered through the mTLS hop ({m})")
+    except BaseException:
+        srv.stop()  # the caller never gets it to stop
+        raise
+    return srv, urls
+
+
 def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "a", 215)
     pods: list[Pod] = []
@@ -108,16 +130,7 @@ def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     set_policies = _policy_switch(agent, timeout=30, settle_s=1.0)
     try:
         progress("[authz] starting the agent with --identity-ca-dir …")
-        agent.start()
-        for p in (server, client, outsider):
-            kubelet.add(p)
-            pods.append(p)
-        srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
-        srv.start()
-        urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
-        for m, url in urls.items():
-            _wait(lambda url=url: run_wrk(client.netns_name, url, 1, 1, 1).requests > 0, 60,
-                  f"the Service never answered through the mTLS hop ({m})")
+        srv, urls = _serve(agent, kubelet, pods, (server, client, outsider), workdir, 1, 60)
         envoy = psutil.Process(int(agent.status()["envoy"]["pid"]))
         runs: list[dict[str, Any]] = []
         for r in range(rounds):
@@ -221,16 +234,7 @@ def run_callgrind(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     set_policies = _policy_switch(agent, timeout=120, settle_s=15.0)
     try:
         progress("[authz-callgrind] starting the agent, its Envoy under callgrind …")
-        agent.start()
-        for p in (server, client, outsider):
-            kubelet.add(p)
-            pods.append(p)
-        srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
-        srv.start()
-        urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
-        for m, url in urls.items():
-            _wait(lambda url=url: run_wrk(client.netns_name, url, 2, 1, 1).requests > 0, 300,
-                  f"the Service never answered through the mTLS hop ({m})")
+        srv, urls = _serve(agent, kubelet, pods, (server, client, outsider), workdir, 2, 300)
         pid = int(agent.status()["envoy"]["pid"])
         runs: list[dict[str, Any]] = []
         for r in range(rounds):
