@@ -14,8 +14,9 @@ from envoy.extensions.filters.network.rbac.v3 import rbac_pb2 as net_rbac_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 
 from agent.authz.policy import needs_http, parse_policy
-from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, network_rbac_filters
+from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, PEER_STATE, PORT_STATE, network_rbac_filters
 from agent.envoy import mtls
+from agent.envoy.pieces import ORIGINAL_DST_LOCAL_STATE
 from agent.envoy.resources import CLUSTER_TYPE, LISTENER_TYPE, NodeXdsState, PodListener, ResourceBuilder
 from agent.identity.svid import Svid, spiffe_id
 
@@ -53,12 +54,12 @@ def test_past_the_internal_hop_the_id_is_filter_state_and_the_port_the_restored_
     (no_allow,) = rbac.rules.policies["~no_allow"].principals
     source, operation = no_allow.not_id.and_ids.ids
     ids = source.and_ids.ids
-    assert ids[0].filter_state.key == mtls.PEER_ID_STATE
+    assert ids[0].filter_state.key == PEER_STATE
     assert ids[0].filter_state.string_match.exact == f"spiffe://{TD}/ns/app/sa/a"
     # the caller's address as the header restored it, not the internal socket's
     assert ids[1].remote_ip.address_prefix == "10.1.0.0"
     port, method = operation.and_ids.ids
-    assert port.filter_state.key == mtls.PORT_STATE
+    assert port.filter_state.key == PORT_STATE
     assert port.filter_state.string_match.exact == "8080"
     assert method.header.name == ":method"
 
@@ -113,7 +114,7 @@ def test_the_inbound_undeclared_chain_hands_over_to_the_pods_own_detection() -> 
     chain.filters[0].typed_config.Unpack(cfg)
     fmt = {v.object_key: v.format_string.text_format_source.inline_string
            for v in cfg.on_new_connection}
-    assert fmt[mtls.LOCAL_DST_STATE] == "10.1.0.7:%REQUESTED_SERVER_NAME%"
+    assert fmt[ORIGINAL_DST_LOCAL_STATE] == "10.1.0.7:%REQUESTED_SERVER_NAME%"
     # L4-only policies: judged here, handed to the node's detection
     chain = _detect_chain((FROM_A,))
     assert NETWORK_RBAC in [f.name for f in chain.filters]
@@ -171,7 +172,7 @@ def test_a_plaintext_caller_is_handed_to_the_pods_own_detection_without_an_ident
     cfg = set_filter_state_pb2.Config()
     chain.filters[0].typed_config.Unpack(cfg)
     by_key = {v.object_key: v for v in cfg.on_new_connection}
-    assert by_key[mtls.LOCAL_DST_STATE].format_string.text_format_source.inline_string == \
+    assert by_key[ORIGINAL_DST_LOCAL_STATE].format_string.text_format_source.inline_string == \
         "10.1.0.7:%DOWNSTREAM_LOCAL_PORT%"
     # where to deliver crosses the detection listener
     assert by_key[mtls.ORIGINAL_DST_ADDRESS_STATE].shared_with_upstream == TRANSITIVE

@@ -12,7 +12,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 
 from agent.authz.index import PolicyIndex
 from agent.authz.policy import API_VERSION, KIND, parse_policy
-from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC
+from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, PEER_STATE, PORT_STATE
 from agent.config import NodeConfig
 from agent.envoy import mtls
 from agent.mesh import MeshRuntime
@@ -116,14 +116,14 @@ def test_inbound_chains_carry_rbac_ahead_of_the_relay_and_the_router() -> None:
     rbac = http_rbac_pb2.RBAC()
     hcm.http_filters[1].typed_config.Unpack(rbac)
     ident = rbac.rules.policies["~no_allow"].principals[0].not_id
-    assert ident.filter_state.key == mtls.PEER_ID_STATE
+    assert ident.filter_state.key == PEER_STATE
     assert ident.filter_state.string_match.exact == "spiffe://cluster.local/ns/app/sa/a"
     # and the port the caller named, set at accept
     from envoy.extensions.filters.network.set_filter_state.v3 import set_filter_state_pb2
     cfg = set_filter_state_pb2.Config()
     guarded["mtls-http-v4"].filters[0].typed_config.Unpack(cfg)
     assert {v.object_key: v.format_string.text_format_source.inline_string
-            for v in cfg.on_new_connection}[mtls.PORT_STATE] == "%REQUESTED_SERVER_NAME%"
+            for v in cfg.on_new_connection}[PORT_STATE] == "%REQUESTED_SERVER_NAME%"
     plain["mtls-http-v4"].filters[-1].typed_config.Unpack(hcm)
     assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.router"]
     # the loop guard is untouched

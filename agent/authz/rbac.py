@@ -71,7 +71,7 @@ PORT_STATE = "aether.port"
 # the certificate. Envoy's ``authenticated`` principal, on a mismatch, decodes the
 # certificate's DNS SANs and formats its subject again for every matcher of every request
 # (it caches neither when empty, as in an SVID): ~60k instructions a request for four DENY
-# policies (``bench.authz_cost --callgrind``).
+# policies (``bench.authz_instructions``).
 MTLS_HTTP = Vantage(peer_state=PEER_STATE, port_state=PORT_STATE)
 # A pod's own detection listener, past the internal hop: the restored destination port,
 # the restored caller address.

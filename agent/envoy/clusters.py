@@ -60,7 +60,6 @@ class Resilience:
     retry_budget_percent: float = 20.0
 
 
-
 def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float,
                           mark: int = PASSTHROUGH_MARK, tunnel: bool = False,
                           resilience: Resilience = Resilience()) -> cluster_pb2.Cluster:
@@ -111,10 +110,8 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     return cluster
 
 
-
 def _or(value: int | None, default: int) -> int:
     return default if value is None else value
-
 
 
 def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience,
@@ -142,7 +139,6 @@ def apply_resilience(cluster: cluster_pb2.Cluster, r: Resilience,
         od.enforcing_success_rate.value = 0  # only consecutive failures eject
 
 
-
 def endpoint_health(ep: Endpoint) -> int:
     """Ready (or published whatever its state) → HEALTHY; terminating but still serving
     (Ready) → HEALTHY, in the fallback priority (see ``endpoint_priority``); terminating and
@@ -151,7 +147,6 @@ def endpoint_health(ep: Endpoint) -> int:
     if ep.always_ready or ep.ready:
         return int(health_check_pb2.HEALTHY)
     return int(health_check_pb2.DRAINING if ep.draining else health_check_pb2.UNHEALTHY)
-
 
 
 def endpoint_priority(ep: Endpoint) -> int:
@@ -164,12 +159,10 @@ def endpoint_priority(ep: Endpoint) -> int:
     return 2 * terminating + (0 if ep.preferred else 1)
 
 
-
 # Envoy spills a priority's load to the next one as its healthy share drops below
 # 100/1.4 %; Kubernetes does not spill while any ready endpoint exists. A factor this large
 # keeps every request at priority 0 while one of its hosts is healthy.
 OVERPROVISIONING_FACTOR = 1_000_000
-
 
 
 def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.LbEndpoint:
@@ -186,7 +179,6 @@ def _lb_endpoint(ep: Endpoint, tunnel: bool = False) -> endpoint_components_pb2.
     sa = lb.endpoint.address.socket_address
     sa.address, sa.port_value = ep.ip, ep.port
     return lb
-
 
 
 def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
@@ -209,7 +201,6 @@ def build_load_assignment(cluster_name: str, endpoints: tuple[Endpoint, ...],
     return cla
 
 
-
 def build_namespace_cluster(namespace: str, connect_timeout_s: float,
                             listener: str | None = None) -> cluster_pb2.Cluster:
     """STATIC cluster ``mesh-<ns>`` whose only host is an internal listener: ``listener``
@@ -226,7 +217,6 @@ def build_namespace_cluster(namespace: str, connect_timeout_s: float,
         load_assignment=cla,
         transport_socket=internal_upstream(),
     )
-
 
 
 def _register_selector_config() -> None:
@@ -247,9 +237,7 @@ def _register_selector_config() -> None:
     pool.Add(fdp)
 
 
-
 _register_selector_config()
-
 
 
 def upstream_bind_config(mark: int) -> address_pb2.BindConfig:
@@ -280,7 +268,6 @@ def upstream_bind_config(mark: int) -> address_pb2.BindConfig:
     bind.local_address_selector.name = NETNS_ADDRESS_SELECTOR
     bind.local_address_selector.typed_config.type_url = NETNS_ADDRESS_SELECTOR_TYPE
     return bind
-
 
 
 def build_passthrough_cluster(mark: int, connect_timeout_s: float) -> cluster_pb2.Cluster:

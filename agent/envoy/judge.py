@@ -22,13 +22,13 @@ from agent.authz.rbac import NETWORK_RBAC, PLAINTEXT, network_rbac_filters
 from agent.envoy.mtls import (
     DESTINATION_STATE,
     INBOUND_DELIVER_CLUSTER,
-    LOCAL_DST_STATE,
     ORIGINAL_DST_ADDRESS_STATE,
     deliver_target,
     pod_detect_name,
 )
 from agent.envoy.pieces import (
     ONCE,
+    ORIGINAL_DST_LOCAL_STATE,
     STRING_STATE_FACTORY,
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
@@ -74,7 +74,7 @@ def build_judge_listener(uid: str, netns_path: str, ips: Sequence[str],
     if detect:
         values += [state_value(DESTINATION_STATE, f"{workload or uid}|%DOWNSTREAM_LOCAL_PORT%",
                                STRING_STATE_FACTORY, TRANSITIVE),
-                   state_value(LOCAL_DST_STATE, to)]
+                   state_value(ORIGINAL_DST_LOCAL_STATE, to)]
     state = set_filter_state(*values)
     rbac = []
     for cfg in ([] if detect else network_rbac_filters(policies, PLAINTEXT, scope=uid)):

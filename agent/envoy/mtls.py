@@ -80,10 +80,10 @@ from agent.authz.rbac import (
     MTLS_HTTP,
     NETWORK_RBAC,
     PEER_STATE,
+    PORT_STATE,
     http_rbac_filters,
     network_rbac_filters,
 )
-from agent.authz.rbac import PORT_STATE as PORT_STATE_KEY
 from agent.envoy.golden import inbound_stats_log
 from agent.envoy.http_routes import (
     HTTP_HOP_STATE,
@@ -93,6 +93,7 @@ from agent.envoy.http_routes import (
 from agent.envoy.pieces import (
     NOT_SHARED,
     ONCE,
+    ORIGINAL_DST_LOCAL_STATE,
     STRING_STATE_FACTORY,
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
@@ -129,10 +130,8 @@ INBOUND_DELIVER_CLUSTER = "inbound-deliver"
 # A pod whose AuthorizationPolicies name HTTP attributes (methods, paths, hosts) gets a
 # detection listener of its own, ``inbound-detect-<uid>``, that decides after detecting: on
 # the requests when HTTP, on the connection otherwise. Its caller's verified ID comes from
-# the PROXY header (read into ``PEER_ID_STATE``) and the port the caller named from the
-# address the original_dst listener filter restores (``LOCAL_DST_STATE``).
-PEER_ID_STATE, PORT_STATE = PEER_STATE, PORT_STATE_KEY
-LOCAL_DST_STATE = "envoy.filters.listener.original_dst.local_ip"
+# the PROXY header (read into ``PEER_STATE``) and the port the caller named from the
+# address the original_dst listener filter restores (``ORIGINAL_DST_LOCAL_STATE``).
 
 # Filter state: the caller's mtls cluster (set by the pod listener, transitive), the
 # backend SAN and server name (set in mtls-out for its upstream).
@@ -199,11 +198,6 @@ def inbound_listener_name(uid: str) -> str:
 def pod_detect_name(uid: str) -> str:
     """The detection listener (and its cluster) of a pod whose policies name HTTP fields."""
     return f"{INBOUND_DETECT}-{uid}"
-
-
-def detects_own(policies: Sequence[Policy]) -> bool:
-    """Whether a pod's undeclared ports are judged in its own detection listener."""
-    return needs_http(policies)
 
 
 def host_port(ip: str, port: int) -> str:
@@ -456,7 +450,7 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         tcp.max_early_data_bytes.value = 0  # nothing is read before the handshake is done
         return tcp
 
-    own_detect = detects_own(policies)
+    own_detect = needs_http(policies)
 
     def detect(family: str) -> listener_components_pb2.FilterChain:
         # where inbound-detect delivers, crossing it (transitive): the pod's own address
@@ -485,8 +479,7 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
         return _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path)
 
     def http(family: str) -> listener_components_pb2.FilterChain:
-        hcm = _deliver_hcm(f"{name}-http", "%DOWNSTREAM_LOCAL_URI_SAN%",
-                           "%DOWNSTREAM_PEER_URI_SAN%", logs, http_rbac)
+        hcm = _deliver_hcm(f"{name}-http", XFCC_FORMAT, logs, http_rbac)
         # the port the caller named, for the RBAC's principals (known at accept: the name)
         state = _deliver_state(target, "%REQUESTED_SERVER_NAME%", netns_path,
                                port=bool(http_rbac))
@@ -535,11 +528,11 @@ def build_inbound_listener(uid: str, netns_path: str, identity: str, ips: Sequen
 
 
 def peer_id_filter() -> hcm_pb2.HttpFilter:
-    """Per request, ``PEER_ID_STATE`` from the verified peer certificate's URI SAN (none
+    """Per request, ``PEER_STATE`` from the verified peer certificate's URI SAN (none
     without one), for the RBAC filters after it."""
     from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2
     return _http_filter("envoy.filters.http.set_filter_state", set_filter_state_pb2.Config(
-        on_request_headers=[state_value(PEER_ID_STATE, "%DOWNSTREAM_PEER_URI_SAN%",
+        on_request_headers=[state_value(PEER_STATE, "%DOWNSTREAM_PEER_URI_SAN%",
                                         STRING_STATE_FACTORY, NOT_SHARED, skip_if_empty=True)]))
 
 
@@ -556,13 +549,13 @@ def _deliver_state(target: str, port_fmt: str, netns_path: str, shared: int = ON
     """Filter state for ``inbound-deliver``: ``<target>:<port>``, opened in the pod's netns;
     ``TRANSITIVE`` when an internal listener (``inbound-detect``) lies between, which also
     gets ``destination`` (``DESTINATION_STATE``) and, with ``local``, the same address as
-    its connection's local one (``LOCAL_DST_STATE``: the port its policies judge)."""
+    its connection's local one (``ORIGINAL_DST_LOCAL_STATE``: the port its policies judge)."""
     values = [state_value(ORIGINAL_DST_ADDRESS_STATE, f"{target}:{port_fmt}", shared=shared),
               state_value(UPSTREAM_NETNS_STATE, netns_path, STRING_STATE_FACTORY, shared)]
     if destination:
         values.append(state_value(DESTINATION_STATE, destination, STRING_STATE_FACTORY, shared))
     if local:
-        values.append(state_value(LOCAL_DST_STATE, f"{target}:{port_fmt}", shared=ONCE))
+        values.append(state_value(ORIGINAL_DST_LOCAL_STATE, f"{target}:{port_fmt}", shared=ONCE))
     if port:  # ``PORT_STATE``, for the RBAC filters here
         values.append(state_value(PORT_STATE, port_fmt, STRING_STATE_FACTORY, NOT_SHARED))
     return set_filter_state(*values)
@@ -577,15 +570,14 @@ def _network_filter(name: str, msg: object) -> listener_components_pb2.Filter:
 XFCC_FORMAT = "By=%DOWNSTREAM_LOCAL_URI_SAN%;URI=%DOWNSTREAM_PEER_URI_SAN%"
 
 
-def _deliver_hcm(stat_prefix: str, by_fmt: str, uri_fmt: str,
+def _deliver_hcm(stat_prefix: str, xfcc_fmt: str,
                  logs: Sequence[accesslog_pb2.AccessLog] = (),
-                 filters: Sequence[hcm_pb2.HttpFilter] = (), xfcc_fmt: str = ""
-                 ) -> listener_components_pb2.Filter:
+                 filters: Sequence[hcm_pb2.HttpFilter] = ()) -> listener_components_pb2.Filter:
     """The HTTP codec delivering to ``inbound-deliver``: every request gets
-    ``x-forwarded-client-cert: By=<pod's id>;URI=<caller's id>`` (``xfcc_fmt``: the whole
-    value, none when it formats to nothing), any XFCC the caller sent removed first."""
+    ``x-forwarded-client-cert`` formatted by ``xfcc_fmt`` (``By=<pod's id>;URI=<caller's
+    id>``; none when it formats to nothing), any XFCC the caller sent removed first."""
     xfcc = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=XFCC, value=xfcc_fmt or f"By={by_fmt};URI={uri_fmt}"),
+        header=base_pb2.HeaderValue(key=XFCC, value=xfcc_fmt),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
     route = rc.Route(name="deliver", match=rc.RouteMatch(prefix="/"),
                      request_headers_to_add=[xfcc])
@@ -650,7 +642,7 @@ def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = ()
         # the caller's ID as a plain string for RBAC to match (the header has been read by
         # now: listener filters run first); unset when the caller sent none
         pre = [set_filter_state(
-            state_value(PEER_ID_STATE, peer, STRING_STATE_FACTORY, NOT_SHARED, skip_if_empty=True),
+            state_value(PEER_STATE, peer, STRING_STATE_FACTORY, NOT_SHARED, skip_if_empty=True),
             state_value(PORT_STATE, "%DOWNSTREAM_LOCAL_PORT%", STRING_STATE_FACTORY, NOT_SHARED))]
         http_rbac = [_http_filter(HTTP_RBAC, f)
                      for f in http_rbac_filters(policies, trust_domain, DETECTED)]
@@ -658,11 +650,10 @@ def build_inbound_detect_listener(uid: str = "", policies: Sequence[Policy] = ()
             policies, DETECTED, scope=uid, trust_domain=trust_domain)]
     # its requests are counted here (the caller's proxy did not parse them: it sent them
     # as bytes on an undeclared port), by the caller's SPIFFE ID and the pod's workload
-    hcm_filter = _deliver_hcm(name, f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%", peer,
-                              [inbound_stats_log(peer,
-                                                 f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")],
-                              http_rbac,
-                              f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:xfcc)%" if uid else "")
+    xfcc = (f"%FILTER_STATE({PROXY_TLV_STATE}:FIELD:xfcc)%" if uid else
+            f"By=%FILTER_STATE({PROXY_TLV_STATE}:FIELD:local)%;URI={peer}")
+    hcm_filter = _deliver_hcm(name, xfcc, [inbound_stats_log(
+        peer, f"%FILTER_STATE({DESTINATION_STATE}:PLAIN)%")], http_rbac)
     http_chain = listener_components_pb2.FilterChain(
         name="http", filters=[*pre, hcm_filter],
         filter_chain_match=listener_components_pb2.FilterChainMatch(

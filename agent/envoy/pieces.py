@@ -28,6 +28,10 @@ STRING_STATE_FACTORY = "envoy.string"
 AGENT_GRPC_CLUSTER = "xds"
 # The pod's netns path: the clusters' local address selector opens the upstream socket there.
 UPSTREAM_NETNS_STATE = "envoy.network.upstream_bind_override.network_namespace"
+# The addresses the original_dst listener filter of an internal listener restores (the pod
+# listener hands them to its namespace's; the inbound side to a pod's detection listener).
+ORIGINAL_DST_LOCAL_STATE = "envoy.filters.listener.original_dst.local_ip"
+ORIGINAL_DST_REMOTE_STATE = "envoy.filters.listener.original_dst.remote_ip"
 
 # How a filter state value is shared with the upstream connection.
 NOT_SHARED = value_pb2.FilterStateValue.NONE

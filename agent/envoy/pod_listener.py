@@ -15,12 +15,12 @@ from agent.envoy.names import (
     CAPTURE_LISTENER_STATE,
     DEFAULT_NAMESPACE,
     LISTENER_PREFIX,
-    ORIGINAL_DST_LOCAL_STATE,
-    ORIGINAL_DST_REMOTE_STATE,
     astuple_shallow,
     namespace_listener_name,
 )
 from agent.envoy.pieces import (
+    ORIGINAL_DST_LOCAL_STATE,
+    ORIGINAL_DST_REMOTE_STATE,
     STRING_STATE_FACTORY,
     TRANSITIVE,
     UPSTREAM_NETNS_STATE,
@@ -88,7 +88,6 @@ class PodListener:
         return namespace_listener_name(self.namespace)
 
 
-
 def _capture_chain(pod: PodListener, mesh_identity: bool = False
                    ) -> listener_components_pb2.FilterChain:
     """Hand the connection, its original destination/source and the pod listener name to
@@ -107,7 +106,6 @@ def _capture_chain(pod: PodListener, mesh_identity: bool = False
         name="capture",
         filters=[state_filter, tcp_proxy_filter("capture", pod.mesh_listener_name)],
     )
-
 
 
 def build_listener(pod: PodListener, capture_port: int, mesh_identity: bool = False

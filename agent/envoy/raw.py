@@ -14,7 +14,6 @@ from google.protobuf.message import Message
 _FILTER_CHAINS_TAG = bytes([3 << 3 | 2])
 
 
-
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
@@ -25,7 +24,6 @@ def _varint(n: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
-
 
 
 def encode_chains(chains: Sequence[listener_components_pb2.FilterChain]) -> bytes:
@@ -40,7 +38,6 @@ def encode_chains(chains: Sequence[listener_components_pb2.FilterChain]) -> byte
         data = c.SerializeToString(deterministic=True)
         out += [_FILTER_CHAINS_TAG, _varint(len(data)), data]
     return b"".join(out)
-
 
 
 class RawResource:
@@ -82,7 +79,6 @@ class RawResource:
 
     def __repr__(self) -> str:
         return f"RawResource({self.cls.__name__}, {self.name!r}, {len(self.data)} bytes)"
-
 
 
 def resource_hash(msg: Message | RawResource) -> str:

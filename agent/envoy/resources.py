@@ -51,6 +51,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from google.protobuf.message import Message
 
+from agent.authz.policy import needs_http
 from agent.config import CAPTURE_PORT, JUDGE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.clusters import (
@@ -83,8 +84,6 @@ from agent.envoy.names import (
     NAMESPACE_LISTENER_PREFIX,
     NETNS_ADDRESS_SELECTOR,
     NETNS_ADDRESS_SELECTOR_TYPE,
-    ORIGINAL_DST_LOCAL_STATE,
-    ORIGINAL_DST_REMOTE_STATE,
     PASSTHROUGH_CLUSTER,
     POD_CLUSTER_PREFIX,
     REQUEST_LOG_NAME,
@@ -102,6 +101,8 @@ from agent.envoy.names import (
     service_cluster_name,
 )
 from agent.envoy.pieces import (
+    ORIGINAL_DST_LOCAL_STATE,
+    ORIGINAL_DST_REMOTE_STATE,
     tcp_proxy_filter,
 )
 from agent.envoy.pod_listener import (
@@ -208,7 +209,6 @@ __all__ = [
 log = logging.getLogger("agent.envoy.resources")
 
 
-
 @dataclass(frozen=True)
 class NodeXdsState:
     """Everything the xDS builder needs; frozen so it can be shared across threads."""
@@ -243,12 +243,10 @@ class NodeXdsState:
     traffic_metrics: bool = True
 
 
-
 def _as_chains(result: ChainResult) -> tuple[listener_components_pb2.FilterChain, ...]:
     if isinstance(result, listener_components_pb2.FilterChain):
         return (result,)
     return tuple(result)
-
 
 
 @dataclass
@@ -265,7 +263,6 @@ class _ServiceEntry:
     eds: tuple[tuple[str, tuple[tuple[Endpoint, ...], RawResource]], ...]
     # caller namespace -> port -> chain bytes, for ports whose chains vary by caller
     per_caller: dict[str, dict[int, bytes]] = field(default_factory=dict)
-
 
 
 @dataclass
@@ -285,22 +282,18 @@ class _ServiceTables:
     claimed: frozenset[tuple[str, int]] = frozenset()  # (ClusterIP, port) with a chain
 
 
-
 def _raw(msg: Message, name: str) -> RawResource:
     """Per-Service clusters and endpoints are kept serialized: 10k of them as upb protos
     cost ~80 MB, as bytes ~5 MB."""
     return RawResource(type(msg), name, msg.SerializeToString(deterministic=True))
 
 
-
 def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-
 def _same_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(map(operator.is_, a.values(), b.values()))
-
 
 
 class ResourceBuilder:
@@ -749,7 +742,7 @@ class ResourceBuilder:
         workload = f"{pod.namespace or DEFAULT_NAMESPACE}/{pod.workload or pod.uid}"
         # its policies name HTTP fields: its undeclared ports and plaintext callers are
         # judged past detection, in a listener of its own
-        own_detect = tls is not None and has_id and bool(pod.ips) and mtls.detects_own(pod.authz)
+        own_detect = tls is not None and has_id and bool(pod.ips) and needs_http(pod.authz)
         if tls is not None and has_id and pod.ips:
             entries.append((mtls.inbound_listener_name(pod.uid), mtls.build_inbound_listener(
                 pod.uid, pod.netns_path, pod.identity, pod.ips, tls, pod.ipv4, pod.ipv6,
@@ -828,7 +821,6 @@ class ResourceBuilder:
         if self._secrets[0] != key:
             self._secrets = (key, dict(mtls.build_secrets(tls)), tuple(tls.svids.values()))
         return self._secrets[1]
-
 
 
 def build_resources(state: NodeXdsState, builder: ResourceBuilder | None = None

@@ -52,7 +52,6 @@ from agent.scope.services import ServicePort
 log = logging.getLogger("agent.envoy.resources")
 
 
-
 def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
     return address_pb2.Address(
         socket_address=address_pb2.SocketAddress(
@@ -61,9 +60,7 @@ def _socket_address(ip: str, port: int, netns_path: str) -> address_pb2.Address:
     )
 
 
-
 _HTTP_FAILURE_LOG: accesslog_pb2.AccessLog | None = None
-
 
 
 def http_failure_access_log() -> accesslog_pb2.AccessLog:
@@ -80,7 +77,6 @@ def http_failure_access_log() -> accesslog_pb2.AccessLog:
         log.filter.or_filter.filters.add().response_flag_filter.SetInParent()
         _HTTP_FAILURE_LOG = log
     return _HTTP_FAILURE_LOG
-
 
 
 def _grpc_access_log() -> accesslog_pb2.AccessLog:
@@ -107,7 +103,6 @@ def _grpc_access_log() -> accesslog_pb2.AccessLog:
     return log
 
 
-
 def passthrough_chain(learn_access_log: bool = True, connection_log: bool = False
                       ) -> listener_components_pb2.FilterChain:
     """The default chain: anything not a Service ClusterIP goes to its original destination.
@@ -119,7 +114,6 @@ def passthrough_chain(learn_access_log: bool = True, connection_log: bool = Fals
                                                         PASSTHROUGH_STATS["outside"])])
 
 
-
 def _passthrough_proxy(learn: bool, connection_log: bool, stat_prefix: str
                        ) -> listener_components_pb2.Filter:
     """tcp_proxy to the ORIGINAL_DST cluster with the access-log report (``--access-log``:
@@ -128,7 +122,6 @@ def _passthrough_proxy(learn: bool, connection_log: bool, stat_prefix: str
             + ([_grpc_access_log()] if learn else []))
     # the stat prefix is the destination class (agent.envoy.envoy_stats counts them)
     return tcp_proxy_filter(stat_prefix, PASSTHROUGH_CLUSTER, *logs)
-
 
 
 def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = False
@@ -153,7 +146,6 @@ def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = Fals
     return tuple(out)
 
 
-
 def _cidr(ip: str) -> address_pb2.CidrRange | None:
     try:
         addr = ipaddress.ip_address(ip)
@@ -162,7 +154,6 @@ def _cidr(ip: str) -> address_pb2.CidrRange | None:
     cidr = address_pb2.CidrRange(address_prefix=str(addr))
     cidr.prefix_len.value = addr.max_prefixlen
     return cidr
-
 
 
 def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 1,
@@ -194,10 +185,8 @@ def service_chain(view: ServiceView, port: ServicePort, connect_attempts: int = 
     )
 
 
-
 ChainResult: TypeAlias = (
     "listener_components_pb2.FilterChain | Sequence[listener_components_pb2.FilterChain]")
-
 
 
 def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: GammaResult | None = None) -> bool:
@@ -208,7 +197,6 @@ def chain_varies_by_caller(view: ServiceView, port: ServicePort, gamma: GammaRes
     the callers in its namespace their own table for this target.
     """
     return gamma is not None and bool(gamma.consumer_namespaces(view.key, port.port))
-
 
 
 def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None,
@@ -236,13 +224,11 @@ def chain_for(view: ServiceView, port: ServicePort, caller_ns: str | None = None
                                access_log=(http_failure_access_log(), *http_traffic_logs(logs)))
 
 
-
 def gamma_signature(gamma: GammaResult | None, key: str) -> tuple[Any, ...]:
     """What of the GAMMA result one Service's chains depend on (compared by value)."""
     if gamma is None:
         return ()
     return tuple(sorted(((p, s or ""), t) for (k, p, s), t in gamma.tables.items() if k == key))
-
 
 
 def detect_ports(gamma: GammaResult | None, services: Sequence[ServiceView]) -> tuple[int, ...]:
@@ -257,7 +243,6 @@ def detect_ports(gamma: GammaResult | None, services: Sequence[ServiceView]) -> 
     return tuple(sorted(out))
 
 
-
 class TrafficLogs(NamedTuple):
     """What a Service chain logs: ``metrics``, the golden metrics' stats loggers (counted in
     Envoy, agent.envoy.golden); ``records``, an access-log entry per connection or request
@@ -267,7 +252,6 @@ class TrafficLogs(NamedTuple):
     records: bool = False
 
 
-
 def tcp_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
     if logs is None:
         return []
@@ -275,13 +259,11 @@ def tcp_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
             + ([traffic_access_log()] if logs.records else []))
 
 
-
 def http_traffic_logs(logs: TrafficLogs | None) -> list[accesslog_pb2.AccessLog]:
     if logs is None:
         return []
     return (([http_stats_log()] if logs.metrics else [])
             + ([request_access_log()] if logs.records else []))
-
 
 
 def traffic_access_log() -> accesslog_pb2.AccessLog:
@@ -292,13 +274,11 @@ def traffic_access_log() -> accesslog_pb2.AccessLog:
                                {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS})
 
 
-
 def request_access_log() -> accesslog_pb2.AccessLog:
     """One entry per request on an HTTP chain (status, duration, route, gRPC status)."""
     return http_grpc_access_log(REQUEST_LOG_NAME,
                                 {ALS_LISTENER_TAG: CAPTURE_LISTENER_FORMAT, **TRAFFIC_TAGS},
                                 response_headers=("grpc-status",))
-
 
 
 def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int] = (),
@@ -323,7 +303,6 @@ def _namespace_head(namespace: str, learn_access_log: bool, detect: Sequence[int
         lis.continue_on_listener_filters_timeout = True
     data: bytes = lis.SerializeToString(deterministic=True)
     return data
-
 
 
 def build_namespace_listener(namespace: str,
