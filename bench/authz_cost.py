@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -100,85 +102,98 @@ def _policy_switch(agent: AgentProc, timeout: float, settle_s: float) -> Any:
     return set_policies
 
 
-def _serve(agent: AgentProc, kubelet: Any, pods: list[Pod], node_pods: tuple[Pod, Pod, Pod],
-           workdir: str, probe_s: float, timeout: float) -> tuple[ServerEnvoy, dict[str, str]]:
-    """Start the agent, add (server, client, outsider) and the server's backend; return it and
-    each shape's URL once each answers through the mTLS hop."""
-    agent.start()
-    for p in node_pods:
-        kubelet.add(p)
-        pods.append(p)
-    server, client = node_pods[0], node_pods[1]
-    srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
-    srv.start()
-    urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
+@contextmanager
+def _authz_node(workdir: str, tag: str, net: int, extra: tuple[str, ...], probe_s: float,
+                timeout: float, switch_timeout: float, settle_s: float
+                ) -> Iterator[tuple[AgentProc, Pod, dict[str, str], Callable[[bool], None]]]:
+    """The ``mtls_node`` with the agent started, (server, client, outsider) added and the
+    server's backend up: (agent, client, each shape's URL once it answers through the mTLS
+    hop, ``set_policies``, see ``_policy_switch``). Torn down on leaving."""
+    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, tag, net, extra)
+    pods: list[Pod] = []
+    srv: ServerEnvoy | None = None
     try:
+        agent.start()
+        for p in (server, client, outsider):
+            kubelet.add(p)
+            pods.append(p)
+        srv = ServerEnvoy(workdir, port=SERVER_PORT, netns_name=server.netns_name)
+        srv.start()
+        urls = {m: f"http://{MESH_MODES[m][1]}:80/" for m in SHAPES}
         for m, url in urls.items():
             _wait(lambda url=url: run_wrk(client.netns_name, url, probe_s, 1, 1).requests > 0,
                   timeout, f"the Service never answered through the mTLS hop ({m})")
-    except BaseException:
-        srv.stop()  # the caller never gets it to stop
-        raise
-    return srv, urls
-
-
-def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
-    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(workdir, "a", 215)
-    pods: list[Pod] = []
-    srv: ServerEnvoy | None = None
-    # Envoy's ACK of the listener, and its drain of the old one
-    set_policies = _policy_switch(agent, timeout=30, settle_s=1.0)
-    try:
-        progress("[authz] starting the agent with --identity-ca-dir …")
-        srv, urls = _serve(agent, kubelet, pods, (server, client, outsider), workdir, 1, 60)
-        envoy = psutil.Process(int(agent.status()["envoy"]["pid"]))
-        runs: list[dict[str, Any]] = []
-        for r in range(rounds):
-            states = [False, True] if r % 2 == 0 else [True, False]
-            for on in states:
-                set_policies(on)
-                for shape in SHAPES:
-                    progress(f"[authz] round {r + 1}/{rounds}: {shape}, "
-                             f"{POLICY_COUNT if on else 0} policies ({duration:g} s) …")
-                    cpu0 = _cpu_s(envoy)
-                    w = run_wrk(client.netns_name, urls[shape], duration, WRK_THREADS,
-                                WRK_CONNECTIONS)
-                    cpu = _cpu_s(envoy) - cpu0
-                    runs.append({"round": r, "shape": shape, "policies": on, **w.to_json(),
-                                 "cpu_us_per_request": round(cpu * 1e6 / w.requests, 2)
-                                 if w.requests else None})
-        set_policies(False)
-        out: dict[str, Any] = {"rounds": rounds, "duration_s": duration,
-                               "policies": POLICY_COUNT, "target": TARGET, "shapes": {},
-                               "runs": runs}
-        for shape in SHAPES:
-            by = {(x["round"], x["policies"]): x for x in runs if x["shape"] == shape}
-            ratios = sorted(by[(r, True)]["cpu_us_per_request"] / by[(r, False)]["cpu_us_per_request"]
-                            for r in range(rounds)
-                            if by[(r, True)]["cpu_us_per_request"]
-                            and by[(r, False)]["cpu_us_per_request"])
-            errors = sum(x["socket_errors"] + x["non_2xx"] for x in by.values())
-            med = round(statistics.median(ratios), 3) if ratios else 0.0
-            row = {
-                "cpu_ratio_median": med, "spread": _spread(ratios),
-                "cpu_us_with": statistics.median(
-                    [by[(r, True)]["cpu_us_per_request"] or 0.0 for r in range(rounds)]),
-                "cpu_us_without": statistics.median(
-                    [by[(r, False)]["cpu_us_per_request"] or 0.0 for r in range(rounds)]),
-                "rps_with": statistics.median([by[(r, True)]["rps"] for r in range(rounds)]),
-                "rps_without": statistics.median([by[(r, False)]["rps"] for r in range(rounds)]),
-                "errors": errors, "target_met": bool(ratios) and med <= TARGET and errors == 0,
-            }
-            out["shapes"][shape] = row
-            print(f"authz {shape}: {row['cpu_us_with']:.1f} µs CPU/request with {POLICY_COUNT} "
-                  f"policies vs {row['cpu_us_without']:.1f} without: {med:.3f}× (spread "
-                  f"{row['spread']}), req/s {row['rps_with']:.0f} vs {row['rps_without']:.0f}, "
-                  f"errors {errors}", flush=True)
-        return out
+        yield agent, client, urls, _policy_switch(agent, switch_timeout, settle_s)
     finally:
         if srv is not None:
             srv.stop()
         teardown_node(kubelet, pods, agent, bridge, workdir)
+
+
+def _rounds(rounds: int, set_policies: Callable[[bool], None],
+            measure: Callable[[int, bool, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each round measures every shape with the ten policies and with none, the two states
+    alternating which comes first from round to round."""
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for on in ([False, True] if r % 2 == 0 else [True, False]):
+            set_policies(on)
+            for shape in SHAPES:
+                runs.append({"round": r, "shape": shape, "policies": on,
+                             **measure(r, on, shape)})
+    return runs
+
+
+def _ratios(runs: list[dict[str, Any]], shape: str, key: str, rounds: int
+            ) -> tuple[dict[tuple[int, bool], Any], list[float], float]:
+    """``shape``'s runs by (round, policies), the per-round ratios of ``key`` with policies
+    over without (sorted), and their median."""
+    by = {(x["round"], x["policies"]): x for x in runs if x["shape"] == shape}
+    ratios = sorted(by[(r, True)][key] / by[(r, False)][key] for r in range(rounds)
+                    if by[(r, True)][key] and by[(r, False)][key])
+    return by, ratios, round(statistics.median(ratios), 3) if ratios else 0.0
+
+
+def run(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
+    progress("[authz] starting the agent with --identity-ca-dir …")
+    # the settle: Envoy's ACK of the listener, and its drain of the old one
+    with _authz_node(workdir, "a", 215, (), 1, 60, 30, 1.0) as (agent, client, urls,
+                                                                 set_policies):
+        envoy = psutil.Process(int(agent.status()["envoy"]["pid"]))
+
+        def measure(r: int, on: bool, shape: str) -> dict[str, Any]:
+            progress(f"[authz] round {r + 1}/{rounds}: {shape}, "
+                     f"{POLICY_COUNT if on else 0} policies ({duration:g} s) …")
+            cpu0 = _cpu_s(envoy)
+            w = run_wrk(client.netns_name, urls[shape], duration, WRK_THREADS, WRK_CONNECTIONS)
+            cpu = _cpu_s(envoy) - cpu0
+            return {**w.to_json(), "cpu_us_per_request": round(cpu * 1e6 / w.requests, 2)
+                    if w.requests else None}
+
+        runs = _rounds(rounds, set_policies, measure)
+        set_policies(False)
+    out: dict[str, Any] = {"rounds": rounds, "duration_s": duration,
+                           "policies": POLICY_COUNT, "target": TARGET, "shapes": {},
+                           "runs": runs}
+    for shape in SHAPES:
+        by, ratios, med = _ratios(runs, shape, "cpu_us_per_request", rounds)
+        errors = sum(x["socket_errors"] + x["non_2xx"] for x in by.values())
+        row = {
+            "cpu_ratio_median": med, "spread": _spread(ratios),
+            "cpu_us_with": statistics.median(
+                [by[(r, True)]["cpu_us_per_request"] or 0.0 for r in range(rounds)]),
+            "cpu_us_without": statistics.median(
+                [by[(r, False)]["cpu_us_per_request"] or 0.0 for r in range(rounds)]),
+            "rps_with": statistics.median([by[(r, True)]["rps"] for r in range(rounds)]),
+            "rps_without": statistics.median([by[(r, False)]["rps"] for r in range(rounds)]),
+            "errors": errors, "target_met": bool(ratios) and med <= TARGET and errors == 0,
+        }
+        out["shapes"][shape] = row
+        print(f"authz {shape}: {row['cpu_us_with']:.1f} µs CPU/request with {POLICY_COUNT} "
+              f"policies vs {row['cpu_us_without']:.1f} without: {med:.3f}× (spread "
+              f"{row['spread']}), req/s {row['rps_with']:.0f} vs {row['rps_without']:.0f}, "
+              f"errors {errors}", flush=True)
+    return out
 
 
 def _callgrind_wrapper(workdir: str) -> tuple[str, str]:
@@ -226,53 +241,38 @@ def run_callgrind(rounds: int, duration: float, workdir: str) -> dict[str, Any]:
     policies over none, per round (deterministic where the CPU clock of a shared VM is
     not). wrk keeps 4 connections alive for ``duration`` s a phase (Envoy runs ~50× slower)."""
     wrapper, out = _callgrind_wrapper(workdir)
-    _ca, agent, bridge, kubelet, client, server, outsider = mtls_node(
-        workdir, "g", 216, extra=("--envoy-binary", wrapper, "--listener-timeout", "300"))
-    pods: list[Pod] = []
-    srv: ServerEnvoy | None = None
-    # Envoy (slow here) ACKs the listener and drains the old one
-    set_policies = _policy_switch(agent, timeout=120, settle_s=15.0)
-    try:
-        progress("[authz-callgrind] starting the agent, its Envoy under callgrind …")
-        srv, urls = _serve(agent, kubelet, pods, (server, client, outsider), workdir, 2, 300)
+    progress("[authz-callgrind] starting the agent, its Envoy under callgrind …")
+    # the settle: Envoy (slow here) ACKs the listener and drains the old one
+    with _authz_node(workdir, "g", 216, ("--envoy-binary", wrapper, "--listener-timeout", "300"),
+                     2, 300, 120, 15.0) as (agent, client, urls, set_policies):
         pid = int(agent.status()["envoy"]["pid"])
-        runs: list[dict[str, Any]] = []
-        for r in range(rounds):
-            for on in ([False, True] if r % 2 == 0 else [True, False]):
-                set_policies(on)
-                for shape in SHAPES:
-                    progress(f"[authz-callgrind] round {r + 1}/{rounds}: {shape}, "
-                             f"{POLICY_COUNT if on else 0} policies …")
-                    run_wrk(client.netns_name, urls[shape], 2, 1, 4)  # warm: connections up
-                    instr, n = _instructions(pid, out, lambda shape=shape: run_wrk(
-                        client.netns_name, urls[shape], duration, 1, 4).requests,
-                        f"r{r}-{shape}-{'on' if on else 'off'}")
-                    runs.append({"round": r, "shape": shape, "policies": on, "requests": n,
-                                 "instructions_per_request": round(instr / n) if n else None})
-        out_doc: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "policies":
-                                   POLICY_COUNT, "target": TARGET, "shapes": {}, "runs": runs}
-        for shape in SHAPES:
-            by = {(x["round"], x["policies"]): x["instructions_per_request"] for x in runs
-                  if x["shape"] == shape}
-            ratios = sorted(by[(r, True)] / by[(r, False)] for r in range(rounds)
-                            if by[(r, True)] and by[(r, False)])
-            med = round(statistics.median(ratios), 3) if ratios else 0.0
-            row = {"instructions_ratio_median": med, "spread": _spread(ratios),
-                   "instructions_with": statistics.median(
-                       [by[(r, True)] or 0 for r in range(rounds)]),
-                   "instructions_without": statistics.median(
-                       [by[(r, False)] or 0 for r in range(rounds)]),
-                   "requests": sum(x["requests"] for x in runs if x["shape"] == shape),
-                   "target_met": bool(ratios) and med <= TARGET}
-            out_doc["shapes"][shape] = row
-            print(f"authz {shape} (callgrind): {row['instructions_with']:.0f} instructions/request "
-                  f"with {POLICY_COUNT} policies vs {row['instructions_without']:.0f} without: "
-                  f"{med:.3f}× (spread {row['spread']})", flush=True)
-        return out_doc
-    finally:
-        if srv is not None:
-            srv.stop()
-        teardown_node(kubelet, pods, agent, bridge, workdir)
+
+        def measure(r: int, on: bool, shape: str) -> dict[str, Any]:
+            progress(f"[authz-callgrind] round {r + 1}/{rounds}: {shape}, "
+                     f"{POLICY_COUNT if on else 0} policies …")
+            run_wrk(client.netns_name, urls[shape], 2, 1, 4)  # warm: connections up
+            instr, n = _instructions(pid, out, lambda: run_wrk(
+                client.netns_name, urls[shape], duration, 1, 4).requests,
+                f"r{r}-{shape}-{'on' if on else 'off'}")
+            return {"requests": n, "instructions_per_request": round(instr / n) if n else None}
+
+        runs = _rounds(rounds, set_policies, measure)
+    out_doc: dict[str, Any] = {"rounds": rounds, "duration_s": duration, "policies":
+                               POLICY_COUNT, "target": TARGET, "shapes": {}, "runs": runs}
+    for shape in SHAPES:
+        by, ratios, med = _ratios(runs, shape, "instructions_per_request", rounds)
+        row = {"instructions_ratio_median": med, "spread": _spread(ratios),
+               "instructions_with": statistics.median(
+                   [by[(r, True)]["instructions_per_request"] or 0 for r in range(rounds)]),
+               "instructions_without": statistics.median(
+                   [by[(r, False)]["instructions_per_request"] or 0 for r in range(rounds)]),
+               "requests": sum(x["requests"] for x in runs if x["shape"] == shape),
+               "target_met": bool(ratios) and med <= TARGET}
+        out_doc["shapes"][shape] = row
+        print(f"authz {shape} (callgrind): {row['instructions_with']:.0f} instructions/request "
+              f"with {POLICY_COUNT} policies vs {row['instructions_without']:.0f} without: "
+              f"{med:.3f}× (spread {row['spread']})", flush=True)
+    return out_doc
 
 
 def main_callgrind(argv: list[str] | None = None) -> int:
