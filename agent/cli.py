@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from agent import __version__
-from agent.config import (
+from agent.common.config import (
     CAPTURE_PORT,
     DEFAULT_RUN_DIR,
     DEFAULT_SYSTEM_NAMESPACES,
@@ -92,15 +92,15 @@ def run(
     """Serve the CNI socket (and Envoy's xDS) until SIGTERM/SIGINT. Started where another
     agent serves the same --run-dir, it takes over without a refused connection (the old one
     drains and exits on SIGTERM)."""
-    from agent import logs
-    from agent.app import Agent, AgentOptions
+    from agent.common import logs
+    from agent.runtime.app import Agent, AgentOptions
     from agent.source.base import MetadataSource
 
     logs.setup(log_level, log_format)
     systems = tuple(s.strip() for s in system_namespaces.split(",") if s.strip())
     if agent_namespace not in systems:
         systems += (agent_namespace,)
-    from agent import takeover
+    from agent.runtime import takeover
     peer = takeover.find_peer(run_dir)
     alive = [s for s in takeover.SLOTS if takeover.slot_envoy_alive(run_dir, s)]
     leftover: str | None = None
@@ -114,7 +114,7 @@ def run(
     else:
         slot, leftover = takeover.choose_slot(takeover.read_serving_slot(run_dir), alive)
     if leftover is not None:
-        from agent.uninstall import stop_slot
+        from agent.ops.uninstall import stop_slot
         logging.getLogger("aether.agent").warning(
             "an Envoy no agent serves runs in slot %s (a take-over cut short): stopping it",
             leftover)
@@ -126,11 +126,11 @@ def run(
             "capture integrity DEGRADED: %s. Pod rules RETURN the passthrough mark alone, which a "
             "pod process with CAP_NET_RAW can set to leave the mesh (docs/architecture.md)",
             proxy.problem)
-    from agent.heap import fix_mmap_threshold, tune_gc
-    tune_gc()  # listing a cluster: see agent.heap
+    from agent.common.heap import fix_mmap_threshold, tune_gc
+    tune_gc()  # listing a cluster: see agent.common.heap
     fix_mmap_threshold()  # big transient buffers mapped, not left in the heap
-    from agent.limits import raise_nofile
-    raise_nofile()  # before Envoy starts: it inherits the limit (agent.limits)
+    from agent.common.limits import raise_nofile
+    raise_nofile()  # before Envoy starts: it inherits the limit (agent.common.limits)
     node = NodeConfig(
         node_name=node_name, run_dir=run_dir, capture_port=capture_port, mesh_port=mesh_port,
         passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),
@@ -257,7 +257,7 @@ def status(
         else:
             print(f"aether-agent is not reachable at {run_dir}/status.sock: {e}", file=sys.stderr)
         raise typer.Exit(2) from e
-    from agent.status_view import render, render_pod
+    from agent.ops.status_view import render, render_pod
     if as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
@@ -277,7 +277,7 @@ def ready(
     pods share the node's sockets and ports, and each pod's probes must see its own agent.
     Exit 0 ready (or live), 1 not ready, 2 not answering."""
     from agent.cni import protocol as p
-    from agent.takeover import control_socket
+    from agent.runtime.takeover import control_socket
     try:
         answer = p.call(control_socket(run_dir, instance), {"command": "ready"}, 5.0)
     except (OSError, ValueError) as e:
@@ -307,7 +307,7 @@ def top(
     per source workload on this node (like top; Ctrl-C ends it)."""
     import datetime
 
-    from agent.top import SORT_KEYS, passthrough, render, table
+    from agent.ops.top import SORT_KEYS, passthrough, render, table
     if sort not in SORT_KEYS:
         raise typer.BadParameter(f"--sort must be one of {', '.join(SORT_KEYS)}")
     if interval <= 0:
@@ -360,8 +360,8 @@ def uninstall(
 ) -> None:
     """Release every pod this node captured (tables, listeners, pins, state) and stop the node
     Envoy: the pods' traffic then flows directly. Works with the agent running or not."""
-    from agent import logs
-    from agent.uninstall import Report, release_offline, stop_envoy, wait_gone
+    from agent.common import logs
+    from agent.ops.uninstall import Report, release_offline, stop_envoy, wait_gone
 
     logs.setup("info", "text")
 
@@ -413,7 +413,7 @@ def demo(
     keep: Annotated[bool, typer.Option(help="Keep the work dir (manifests, logs).")] = False,
 ) -> None:
     """A small node on this machine (root): pods, agent, Envoy, an HTTPRoute split; then cleanup."""
-    from agent.demo import run_demo
+    from agent.ops.demo import run_demo
     raise typer.Exit(run_demo(requests, keep))
 
 

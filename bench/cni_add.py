@@ -40,7 +40,7 @@ import psutil
 
 from agent.capture.policy import decide
 from agent.capture.rules import policy_hash, render_table
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns.pin import release_mounts_under
 from agent.source.model import NamespaceMeta, PodMeta
 from bench.common import (
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception:
         if os.path.exists(bench.agent.log_path):
-            progress("agent log tail:\n" + bench.agent.logs()[-2000:])
+            progress("agent log tail:\n" + bench.agent.common.logs()[-2000:])
         raise
     finally:
         bench.cleanup()

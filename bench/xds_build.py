@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.config import CAPTURE_PORT, PASSTHROUGH_MARK
+from agent.common.config import CAPTURE_PORT, PASSTHROUGH_MARK
 from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
 from agent.envoy.supervisor import EnvoySupervisor, admin_request
 from agent.envoy.xds import XdsServer

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent.config import CAPTURE_PORT
+from agent.common.config import CAPTURE_PORT
 from agent.envoy import mtls
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
@@ -110,7 +110,7 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
         srv.shutdown()
     # the server side's access log names the caller (--access-log)
     deadline = time.monotonic() + 10
-    while f"peer=spiffe://{TD}/ns/app/sa/client" not in mnode.agent.logs():
+    while f"peer=spiffe://{TD}/ns/app/sa/client" not in mnode.agent.common.logs():
         assert time.monotonic() < deadline, "no inbound access log line naming the caller"
         time.sleep(0.2)
     ids = {r["identity"]: r for r in mnode.agent.status()["envoy"]["identity"]["svids"]}

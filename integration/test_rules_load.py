@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from agent.capture.policy import ANN_EXCLUDE_PORTS, ANN_EXCLUDE_RANGES, ANN_REDIRECT_ALL, decide
 from agent.capture.rules import render_ruleset
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns import nft
 from agent.source.model import NamespaceMeta, PodMeta
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from agent.cni import protocol
-from agent.status_view import render, render_pod
+from agent.ops.status_view import render, render_pod
 from agent.testing.kubelet import CniError
 from integration.conftest import GW4, EnvoyNode
 

@@ -22,7 +22,7 @@ from google.protobuf.json_format import MessageToDict
 from agent.envoy import golden
 from agent.envoy.supervisor import admin_request, find_envoy_binary
 from agent.envoy.traffic import MAX_SERIES, OTHER
-from agent.metrics import Metrics
+from agent.ops.metrics import Metrics
 from integration.conftest import free_port, until
 
 CALLERS = 1200

@@ -13,9 +13,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from agent.authz.index import PolicyIndex
 from agent.authz.policy import API_VERSION, KIND, parse_policy
 from agent.authz.rbac import HTTP_RBAC, NETWORK_RBAC, PEER_STATE, PORT_STATE
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.envoy import mtls
-from agent.mesh import MeshRuntime
+from agent.runtime.mesh import MeshRuntime
 from agent.source.base import WatchEvent
 from agent.source.watch import KIND_SPECS
 
@@ -80,7 +80,7 @@ def test_the_runtime_publishes_each_local_pods_policies_and_reports_bad_ones() -
     assert [p.key for p in got["app/client"]] == ["app/bad"]  # no selector: the namespace
     assert problems and problems[0][:2] == ("app", "bad") and "10.0.0.0/99" in problems[0][2]
     # and in status, for the operator (standalone mode has no Events)
-    from agent.status_view import render
+    from agent.ops.status_view import render
     authz = rt.status()["authorization"]
     assert authz["policies"] == 2 and authz["pods_selected"] == 2
     assert "app/bad" in authz["problems"][0]

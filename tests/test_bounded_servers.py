@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.cni.server import UnixJsonServer
-from agent.metrics import METRICS_MAX_CONNECTIONS, Metrics, MetricsServer
+from agent.ops.metrics import METRICS_MAX_CONNECTIONS, Metrics, MetricsServer
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 from agent.cni import codes
 from agent.cni.handler import CniHandler
 from agent.cni.state import CapturedPod, StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns.enter import NetnsError, NetnsId
 from agent.source.manifests import ManifestSource
 
@@ -205,10 +205,10 @@ def test_the_node_netns_is_never_captured(tmp_path: Path) -> None:
     assert [c for c, _ in dp.calls] == ["check_netns"]
 
 
-# ---- reconcile at start (agent.app.Agent.reconcile), through the same fake ---------------
+# ---- reconcile at start (agent.runtime.app.Agent.reconcile), through the same fake ---------------
 
 def _agent_with(tmp_path: Path, dp: FakeDataplane, sink: Sink) -> Any:
-    from agent.app import Agent
+    from agent.runtime.app import Agent
     h = _handler(tmp_path, dp, sink)  # writes the manifests, makes the node config
     return Agent(h.node, h.source, sink, dataplane=dp)
 
@@ -269,7 +269,7 @@ def test_reconcile_reports_a_table_it_cannot_program(tmp_path: Path) -> None:
 def test_an_add_interrupted_before_its_record_is_undone_through_the_dataplane(
         tmp_path: Path) -> None:
     from agent.cni.state import AddIntent
-    from agent.recovery import recover_interrupted_adds
+    from agent.runtime.recovery import recover_interrupted_adds
 
     dp = FakeDataplane()
     pin = tmp_path / "netns" / "c9"
@@ -286,7 +286,7 @@ def test_an_add_interrupted_before_its_record_is_undone_through_the_dataplane(
 
 
 def test_an_interrupted_add_leaves_a_netns_a_record_owns_alone(tmp_path: Path) -> None:
-    from agent.recovery import undo
+    from agent.runtime.recovery import undo
 
     dp = FakeDataplane()
     h = _handler(tmp_path, dp)
@@ -302,7 +302,7 @@ def test_uninstall_releases_a_record_through_the_dataplane_never_the_node_netns(
         tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from agent.uninstall import release_record
+    from agent.ops.uninstall import release_record
 
     dp = FakeDataplane()
     h = _handler(tmp_path, dp)

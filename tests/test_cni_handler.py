@@ -9,7 +9,7 @@ import pytest
 
 from agent.cni.handler import CniHandler
 from agent.cni.state import StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.manifests import ManifestSource
 
 

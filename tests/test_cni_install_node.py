@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.install.installer import Installer, InstallOptions
 from agent.kube import api_client
 from agent.node.readiness import (

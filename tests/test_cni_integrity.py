@@ -18,7 +18,7 @@ import pytest
 from agent.cni import protocol as p
 from agent.cni.handler import CniHandler
 from agent.cni.state import StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
 from agent.netns.enter import is_host_netns, netns_identity

@@ -163,7 +163,7 @@ def test_version_and_bad_input(agent: tuple[str, list[Any]]) -> None:
 def test_undecodable_netconf_reported_by_the_agent(tmp_path: Any) -> None:
     from agent.cni.handler import CniHandler
     from agent.cni.state import StateStore
-    from agent.config import NodeConfig
+    from agent.common.config import NodeConfig
     from agent.source.manifests import ManifestSource
     h = CniHandler(NodeConfig(), ManifestSource(str(tmp_path)), StateStore(str(tmp_path / "s")))
     srv = UnixJsonServer(str(tmp_path / "cni.sock"), h.handle_raw)

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from agent import recovery
 from agent.cni import handler as handler_mod
 from agent.cni.handler import CniHandler
 from agent.cni.state import AddIntent, StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns import dataplane as dataplane_mod
 from agent.netns import nft
 from agent.netns import pin as pin_mod
 from agent.netns.enter import NetnsError, netns_identity
+from agent.runtime import recovery
 from agent.source.manifests import ManifestSource
 
 POINTS = ["crash-after-pin", "crash-after-rules", "crash-before-listener", "crash-after-listener"]

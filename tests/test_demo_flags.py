@@ -16,7 +16,6 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
-from agent.demo import Demo, envoy_failure_lines, healthy_hosts
 from agent.envoy.bootstrap import build_bootstrap, write_bootstrap
 from agent.envoy.resources import (
     HTTP_FAILURE_LOG_FORMAT,
@@ -25,6 +24,7 @@ from agent.envoy.resources import (
     http_failure_access_log,
 )
 from agent.envoy.supervisor import find_envoy_binary
+from agent.ops.demo import Demo, envoy_failure_lines, healthy_hosts
 from agent.scope.model import ServiceView
 from agent.scope.route_tables import HTTP_ROUTE, build_tables
 from agent.scope.routes import route_from_object

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from agent.capture.policy import decide
 from agent.cni.state import CapturedPod, SeenPod
-from agent.config import NodeConfig
-from agent.enroll import plan
+from agent.common.config import NodeConfig
+from agent.runtime.enroll import plan
 from agent.source.model import NamespaceMeta, PodMeta
 
 NODE = NodeConfig(node_name="n")
@@ -58,7 +58,7 @@ def test_unknown_or_replaced_pods_are_left_alone() -> None:
 
 
 def test_pods_older_than_the_agent_are_discovered_only_when_unknown_and_managed() -> None:
-    from agent.enroll import to_discover
+    from agent.runtime.enroll import to_discover
     node = NodeConfig(node_name="n1")
     mk = lambda name, **kw: PodMeta("app", name, uid=f"u-{name}", node_name="n1",  # noqa: E731
                                      ips=("10.0.0.9",), phase="Running", **kw)

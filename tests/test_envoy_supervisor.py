@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.backoff import backoff_delay
+from agent.common.backoff import backoff_delay
 from agent.envoy.compat import BUILT_FOR
 from agent.envoy.supervisor import (
     EnvoySupervisor,

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.gamma.conditions import ParentStatus
 from agent.gamma.status import StatusLoop, StatusWriter, desired_parents
-from agent.mesh import MeshRuntime
+from agent.runtime.mesh import MeshRuntime
 from agent.scope.routes import ParentRef
 from agent.source.base import WatchEvent
 from agent.testing import FakeApiServer

@@ -1,11 +1,11 @@
-"""The collector's pause while lists run (agent.heap.listing)."""
+"""The collector's pause while lists run (agent.common.heap.listing)."""
 
 from __future__ import annotations
 
 import gc
 import threading
 
-from agent.heap import MMAP_THRESHOLD, listing
+from agent.common.heap import MMAP_THRESHOLD, listing
 
 
 def test_the_collector_is_off_while_any_list_runs_and_back_on_after_the_last() -> None:
@@ -52,7 +52,7 @@ def test_a_list_that_fails_still_resumes_the_collector_and_one_off_stays_off() -
 
 _PROBE = """
 import ctypes, sys
-from agent.heap import fix_mmap_threshold
+from agent.common.heap import fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold()
 elif sys.argv[1] == "128k":  # fixed at glibc's own starting threshold

@@ -47,12 +47,15 @@ def test_the_contracts_hold_and_fail_on_a_deliberate_violation(tmp_path: Path) -
     shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
     policy = tmp_path / "agent" / "authz" / "policy.py"
     policy.write_text(policy.read_text() + "\nimport socket  # noqa: E402\n")
-    backoff = tmp_path / "agent" / "backoff.py"
-    backoff.write_text(backoff.read_text() + "\nimport agent.app  # noqa: E402\n")
+    backoff = tmp_path / "agent" / "common" / "backoff.py"
+    backoff.write_text(backoff.read_text() + "\nimport agent.runtime.app  # noqa: E402\n")
     bad = _lint(tmp_path)
     assert bad.returncode != 0
     assert "agent.authz.policy -> socket" in bad.stdout, bad.stdout
-    assert "agent.backoff -> agent.app" in bad.stdout, bad.stdout
+    assert "agent.common.backoff -> agent.runtime.app" in bad.stdout, bad.stdout
+    # the same import breaks agent.common's own contract: it stands on no other package
+    assert "agent.common (config, ids, logs, limits, back-off) stands on no other agent " \
+        "package BROKEN" in " ".join(bad.stdout.split()), bad.stdout
 
 
 def cycles(adj: dict[str, set[str]]) -> list[list[str]]:
@@ -97,5 +100,5 @@ def test_no_import_cycle() -> None:
     # other (parsing now lives in agent.source.manifest_parse)
     assert cycles({"agent.source.manifests": {"agent.source.parse_worker"},
                    "agent.source.parse_worker": {"agent.source.manifests"},
-                   "agent.ids": set()}) == [["agent.source.manifests",
-                                              "agent.source.parse_worker"]]
+                   "agent.common.ids": set()}) == [["agent.source.manifests",
+                                                     "agent.source.parse_worker"]]

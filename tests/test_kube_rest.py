@@ -96,7 +96,7 @@ def test_the_agent_loads_no_model_classes() -> None:
     """The point of agent.kube.rest: ~250 pydantic classes (~22 MB) stay out of the agent."""
     code = (
         "import sys\n"
-        "import agent.app, agent.source.kube, agent.node.repair, agent.node.readiness\n"
+        "import agent.runtime.app, agent.source.kube, agent.node.repair, agent.node.readiness\n"
         "import agent.slices.writer, agent.meshpods.publisher, agent.gamma.status\n"
         "import agent.gamma.xmesh, agent.gamma.lease\n"
         "from kubernetes import client\n"

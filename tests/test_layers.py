@@ -2,7 +2,7 @@
 agent module they import (anywhere in the file, lazy imports included).
 
 Layers, top to bottom, each importing only its own and lower ones: the entry points (the
-CLI, the demo), the composition that wires the agent together (``agent.app``, the mesh
+CLI, the demo), the composition that wires the agent together (``agent.runtime.app``, the mesh
 runtime, uninstall), the edges (netns, nftables, Envoy, gRPC, the API, files), and the pure
 core. Pure: capture rules and policy, authorization policies (authz), the mesh model
 (scope), the xDS resource builders, GAMMA conditions and ownership, the EndpointSlice
@@ -21,16 +21,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PURE = (
     "agent.capture", "agent.capture.explain", "agent.capture.policy", "agent.capture.rules",
-    "agent.config", "agent.envoy.http_routes", "agent.envoy.mtls", "agent.envoy.pieces",
-    "agent.envoy.resources", "agent.envoy.envoy_stats", "agent.envoy.traffic", "agent.top",
+    "agent.common.config", "agent.envoy.http_routes", "agent.envoy.mtls", "agent.envoy.pieces",
+    "agent.envoy.resources", "agent.envoy.envoy_stats", "agent.envoy.traffic", "agent.ops.top",
     "agent.identity.svid",
     "agent.cni.codes", "agent.cni.request", "agent.cni.messages",
     "agent.gamma.conditions", "agent.gamma.ownership", "agent.install.conflist",
     "agent.scope", "agent.scope.deps", "agent.scope.route_tables", "agent.scope.model",
     "agent.scope.registry", "agent.scope.routes", "agent.scope.services",
     "agent.meshpods.record", "agent.slices.project", "agent.source.model",
-    "agent.envoy.golden", "agent.source.base", "agent.source.objects", "agent.workload",
-    "agent.ids", "agent.source.packed", "agent.envoy.judge",
+    "agent.envoy.golden", "agent.source.base", "agent.source.objects", "agent.common.workload",
+    "agent.common.ids", "agent.source.packed", "agent.envoy.judge",
     "agent.envoy.names", "agent.envoy.pod_listener", "agent.envoy.service_chains",
     "agent.envoy.clusters", "agent.envoy.raw",
 ) + tuple(  # every module of the pure packages, the ones added later included
@@ -107,7 +107,7 @@ def _product_modules() -> list[str]:
 def _testing_importers(modules: list[str]) -> list[str]:
     """Modules outside agent.testing (and the demo, which runs on it) that import it."""
     return [m for m in modules
-            if not m.startswith("agent.testing") and m != "agent.demo"
+            if not m.startswith("agent.testing") and m != "agent.ops.demo"
             and any(n == "agent.testing" or n.startswith("agent.testing.") for n in _imports(m))]
 
 
@@ -116,7 +116,7 @@ def test_nothing_in_the_product_imports_the_test_doubles() -> None:
     # demo and the tests; the agent itself never reaches it
     assert _testing_importers(_product_modules()) == []
     # the check sees such an import: the demo is the one allowed importer
-    assert any(n.startswith("agent.testing") for n in _imports("agent.demo"))
+    assert any(n.startswith("agent.testing") for n in _imports("agent.ops.demo"))
 
 
 # each declared dependency and the module the product imports it as ("envoy" is both the
@@ -143,8 +143,9 @@ def test_every_declared_dependency_is_imported_by_product_code() -> None:
 
 
 # -- layers: every import points down ---------------------------------------------------------
-ENTRY = frozenset({"agent.cli", "agent.demo"})  # what a user, a DaemonSet or the demo runs
-COMPOSITION = frozenset({"agent.app", "agent.mesh", "agent.uninstall"})  # wires edges together
+ENTRY = frozenset({"agent.cli", "agent.ops.demo"})  # what a user, a DaemonSet or the demo runs
+# the modules that wire edges together
+COMPOSITION = frozenset({"agent.runtime.app", "agent.runtime.mesh", "agent.ops.uninstall"})
 
 
 def layer(module: str) -> int:
@@ -178,18 +179,18 @@ def test_every_import_points_down_the_layers() -> None:
     modules = [m for m in _product_modules() if not m.startswith("agent.testing")]
     assert upward_imports(modules, _imports) == []
     # the layers are real: the CLI sits on the app, the app on the edges, the edges on the core
-    assert layer("agent.cli") > layer("agent.app") > layer("agent.cni.handler") > layer(
+    assert layer("agent.cli") > layer("agent.runtime.app") > layer("agent.cni.handler") > layer(
         "agent.capture.rules")
 
 
 def test_the_layer_check_fails_on_a_deliberate_upward_import() -> None:
     def with_bad_import(module: str) -> frozenset[str]:
-        extra = {"agent.capture.rules": {"agent.app"}, "agent.cni.handler": {"agent.cli"},
+        extra = {"agent.capture.rules": {"agent.runtime.app"}, "agent.cni.handler": {"agent.cli"},
                  "agent.envoy.resources": {"agent.envoy.sink"}}
         return _imports(module) | frozenset(extra.get(module, set()))
 
     bad = upward_imports(["agent.capture.rules", "agent.cni.handler", "agent.envoy.resources"],
                          with_bad_import)
-    assert bad == ["agent.capture.rules (L0) -> agent.app (L2)",
+    assert bad == ["agent.capture.rules (L0) -> agent.runtime.app (L2)",
                    "agent.cni.handler (L1) -> agent.cli (L3)",
                    "agent.envoy.resources (L0) -> agent.envoy.sink (L1)"]

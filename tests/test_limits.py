@@ -1,4 +1,4 @@
-"""agent.limits: the open-file limit the node Envoy inherits."""
+"""agent.common.limits: the open-file limit the node Envoy inherits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import resource
 import subprocess
 import sys
 
-from agent.limits import NOFILE_TARGET, nofile_plan
+from agent.common.limits import NOFILE_TARGET, nofile_plan
 
 INF = resource.RLIM_INFINITY
 
@@ -25,7 +25,7 @@ def test_a_child_started_after_raising_inherits_the_limit() -> None:
     soft limit up to the hard one, and the hard one too with CAP_SYS_RESOURCE."""
     code = (
         "import resource, subprocess, sys\n"
-        "from agent.limits import raise_nofile\n"
+        "from agent.common.limits import raise_nofile\n"
         "before = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "now = raise_nofile()\n"
         "child = subprocess.run([sys.executable, '-c', 'import resource; "

@@ -204,7 +204,7 @@ def test_probe_over_a_unix_socket(tmp_path: Path) -> None:
 
 
 def test_status_rendering_names_the_listener_problem() -> None:
-    from agent.status_view import render, render_pod
+    from agent.ops.status_view import render, render_pod
 
     pod = {"pod": "app/p", "mode": "redirect-all", "rules": "ok", "exclude_ports": [],
            "exclude_cidrs": [], "ips": ["10.0.0.2"], "listener": "rejected",

@@ -7,8 +7,8 @@ import time
 
 from agent.capture.policy import CapturePolicy
 from agent.cni.state import CapturedPod
-from agent.config import NodeConfig
-from agent.mesh import REGISTER_WAIT_S, MeshRuntime
+from agent.common.config import NodeConfig
+from agent.runtime.mesh import REGISTER_WAIT_S, MeshRuntime
 
 
 def _pod(name: str) -> CapturedPod:

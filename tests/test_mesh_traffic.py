@@ -7,7 +7,7 @@ from envoy.data.accesslog.v3 import accesslog_pb2
 from agent.envoy import mtls
 from agent.envoy.als import AccessLogServicer, parse_inbound_entry
 from agent.envoy.mesh_traffic import OTHER, UNAUTHENTICATED, InboundConnection, InboundTally
-from agent.metrics import Metrics
+from agent.ops.metrics import Metrics
 
 SRV = "spiffe://td/ns/app/sa/server"
 

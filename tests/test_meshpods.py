@@ -240,7 +240,7 @@ def test_the_ipv4_fast_path_spells_addresses_as_ipaddress_does() -> None:
 
 def test_managed_gives_the_verdict_of_decide_without_parsing_annotations() -> None:
     from agent.capture.policy import decide, managed
-    from agent.config import NodeConfig
+    from agent.common.config import NodeConfig
     from agent.source.model import NamespaceMeta, PodMeta
 
     node = NodeConfig(node_name=NODE)
@@ -269,7 +269,7 @@ def test_without_the_crd_publishing_fails_with_404_and_keeps_retrying(
 
 
 def test_status_says_where_remote_pods_come_from_and_what_failed() -> None:
-    from agent.status_view import meshpod_lines, render
+    from agent.ops.status_view import meshpod_lines, render
 
     mp = {"owned": ["apps/p1", "apps/p2"], "writes": 3, "failures": 1, "remote_pods": "meshpods",
           "last_error": "HTTP 404 Not Found"}

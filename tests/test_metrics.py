@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.metrics import LIVE, Metrics, MetricsServer
+from agent.ops.metrics import LIVE, Metrics, MetricsServer
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from agent.envoy.golden import GoldenFold, parse_prometheus
-from agent.metrics import LIVE, Metrics
+from agent.ops.metrics import LIVE, Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MON = ROOT / "deploy" / "monitoring"

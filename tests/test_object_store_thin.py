@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 from typing import Any, cast
 
-from agent.config import NodeConfig
-from agent.mesh import THIN_KINDS, MeshRuntime
+from agent.common.config import NodeConfig
 from agent.meshpods import record
+from agent.runtime.mesh import THIN_KINDS, MeshRuntime
 from agent.scope.model import REMOTE_POD_KIND
 from agent.source.base import WatchEvent
 from agent.source.events import ObjectStore, Stub
@@ -146,7 +146,7 @@ def test_thinning_twice_and_odd_digits_change_nothing() -> None:
 def test_a_thin_kind_is_keyed_by_the_pods_own_interned_key() -> None:
     """No key tuple per object: the inner key is the very ``<ns>/<name>`` string the mesh
     model keys the pod by, and readers still see (kind, namespace, name)."""
-    from agent.ids import pod_key
+    from agent.common.ids import pod_key
 
     store = ObjectStore()
     store.thin(["MeshPod"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.meshpods.record import record_of
 from agent.scope.registry import Registry
 from agent.source.model import slim_pod

@@ -50,7 +50,7 @@ def test_evolve_changes_only_what_it_is_given() -> None:
 
 def test_the_registry_knows_a_record_from_a_meshpod_from_one_from_the_pod() -> None:
     """What the model used to keep a set of 100k keys for."""
-    from agent.config import NodeConfig
+    from agent.common.config import NodeConfig
     from agent.scope.registry import Registry
 
     reg = Registry(NodeConfig(node_name="n1"))

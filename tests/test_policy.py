@@ -13,7 +13,7 @@ from agent.capture.policy import (
     parse_cidrs,
     parse_ports,
 )
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.model import NamespaceMeta, PodMeta
 
 NODE = NodeConfig()

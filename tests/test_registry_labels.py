@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.scope.registry import Registry
 
 NS = ("a", "b")

@@ -12,7 +12,7 @@ from agent.capture.policy import CapturePolicy
 from agent.cni import handler as handler_mod
 from agent.cni.handler import CniFailure, CniHandler
 from agent.cni.state import CapturedPod, StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.netns import nft
 
 

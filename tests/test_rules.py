@@ -9,7 +9,7 @@ import pytest
 
 from agent.capture.policy import ANN_EXCLUDE_PORTS, ANN_EXCLUDE_RANGES, ANN_REDIRECT_ALL, decide
 from agent.capture.rules import fingerprint, normalize_listing, render_rules, render_ruleset
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.model import NamespaceMeta, PodMeta
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -35,7 +35,7 @@ def test_bucket_shapes() -> None:
 
 def test_the_registry_keeps_membership_right_across_bucket_shapes() -> None:
     """A Service whose members cross SMALL both ways, and a pod that changes labels."""
-    from agent.config import NodeConfig
+    from agent.common.config import NodeConfig
     from agent.scope.registry import Registry
 
     reg = Registry(NodeConfig(node_name="n1"))
@@ -68,7 +68,7 @@ def test_the_registry_keeps_membership_right_across_bucket_shapes() -> None:
 
 def test_a_pods_services_survive_the_one_and_many_shapes() -> None:
     """The registry keeps a pod's one Service as the key itself and several as a tuple."""
-    from agent.config import NodeConfig
+    from agent.common.config import NodeConfig
     from agent.scope.registry import Registry
 
     reg = Registry(NodeConfig(node_name="n1"))

@@ -10,7 +10,7 @@ import pytest
 from agent.cni import protocol as p
 from agent.cni.handler import CniFailure, CniHandler
 from agent.cni.state import StateStore
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.base import PodEvent, SourceError, WatchEvent
 from agent.source.cached import CachedSource
 from agent.source.events import ObjectStore

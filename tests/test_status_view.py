@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.status_view import acked_versions, render
+from agent.ops.status_view import acked_versions, render
 
 T = "type.googleapis.com/envoy.config"
 

@@ -1,4 +1,4 @@
-"""The plain parts of a take-over (agent.takeover): slots, names, the peer's RETURN in the
+"""The plain parts of a take-over (agent.runtime.takeover): slots, names, the peer's RETURN in the
 rules, sockets renamed over a live one, and what `status` says."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from dataclasses import replace
 from agent.capture.policy import CapturePolicy, decide, with_node_proxies
 from agent.capture.rules import render_rules
 from agent.cni.server import UnixJsonServer
-from agent.config import NodeConfig
-from agent.source.model import NamespaceMeta, PodMeta
-from agent.status_view import takeover_lines
-from agent.takeover import (
+from agent.common.config import NodeConfig
+from agent.ops.status_view import takeover_lines
+from agent.runtime.takeover import (
     Peer,
     control_socket,
     other_slot,
     peer_cgroup_name,
     xds_socket,
 )
+from agent.source.model import NamespaceMeta, PodMeta
 
 NS = NamespaceMeta("app", labels={"aether.io/managed": "true"})
 
@@ -114,7 +114,7 @@ def test_peer_from_hello_and_status_lines() -> None:
 
 
 def test_a_plain_start_adopts_the_slot_that_serves() -> None:
-    from agent.takeover import choose_slot
+    from agent.runtime.takeover import choose_slot
     assert choose_slot(None, []) == ("envoy", None)
     assert choose_slot("envoy-b", ["envoy-b"]) == ("envoy-b", None)  # adopt the new agent's
     assert choose_slot("envoy", ["envoy-b"]) == ("envoy-b", None)  # the record lagged

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agent.common.workload import workload_of
 from agent.envoy.golden import GoldenFold, Series, parse_prometheus
 from agent.envoy.traffic import BUCKETS, OTHER, destination, quantile
-from agent.metrics import Metrics
-from agent.top import render, table
-from agent.workload import workload_of
+from agent.ops.metrics import Metrics
+from agent.ops.top import render, table
 
 
 def prom(requests: Sequence[tuple[str, str, str, str, str, str, Sequence[float]]] = (),
@@ -198,7 +198,7 @@ def test_envoy_stats_give_passthrough_classes_and_active_connections() -> None:
 
 
 def test_top_shows_active_connections_and_passthrough() -> None:
-    from agent.top import passthrough
+    from agent.ops.top import passthrough
     snap = GoldenFold().snapshot(parse_prometheus(prom(tcp=[("app/a", "svc|app|db|5432", "-",
                                                                 1, 0, 0)])))
     before = {**snap, "envoy": {"passthrough": {"outside": {"total": 10, "active": 0}},

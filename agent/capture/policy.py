@@ -11,7 +11,7 @@ import ipaddress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.model import NamespaceMeta, PodMeta
 
 MANAGED_LABEL = "aether.io/managed"

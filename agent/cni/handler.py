@@ -26,8 +26,8 @@ from agent.cni import protocol as p
 from agent.cni import request as request_mod
 from agent.cni.messages import CniAnswer, CniFailure, CniRequest
 from agent.cni.state import AddIntent, CapturedPod, SeenPod, StateStore
-from agent.config import NodeConfig
-from agent.ids import ContainerId
+from agent.common.config import NodeConfig
+from agent.common.ids import ContainerId
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsError, NetnsGone, NetnsId
 from agent.source.base import MetadataSource, PodEvent, SourceError
@@ -108,7 +108,7 @@ class CniHandler:
         # registration hooks for the mesh model (the CNI is a registration source)
         self.on_captured: Callable[[CapturedPod, dict[str, str], dict[str, str]], None] | None = None
         self.on_released: Callable[[CapturedPod], None] | None = None
-        self.metrics: Any = None  # agent.metrics.Metrics when the metrics server runs
+        self.metrics: Any = None  # agent.ops.metrics.Metrics when the metrics server runs
         # per-container locks that vanish once no request holds them (no growth per pod)
         self._locks: weakref.WeakValueDictionary[str, _PodLock] = weakref.WeakValueDictionary()
         self._locks_guard = threading.Lock()
@@ -370,7 +370,7 @@ class CniHandler:
         if will_pin:
             netns = os.path.join(self.node.run_dir, "netns", cid)
         # Before any step: a restarted agent finding this without a record undoes the steps
-        # (agent/recovery.py); the record supersedes it.
+        # (agent/runtime/recovery.py); the record supersedes it.
         try:
             self.store.begin_add(AddIntent(cid, kubelet_netns, netns, will_pin))
         except OSError as e:
@@ -475,7 +475,7 @@ class CniHandler:
         self.events.put(PodEvent(pod.namespace, pod.name, pod.uid,
                                  REASON_INVALID_ANNOTATION, message))
 
-    # -- live enrollment and release (agent/enroll.py decides, these act) -----------------
+    # -- live enrollment and release (agent/runtime/enroll.py decides, these act) -----------------
     def _remember(self, req: CniRequest, pod: PodMeta) -> None:
         """An uncaptured pod with a netns: remember it so a later label or annotation change
         can capture it live. Best effort: never fails the ADD."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.ids import ContainerId  # CNI_CONTAINERID: the sandbox's id
+from agent.common.ids import ContainerId  # CNI_CONTAINERID: the sandbox's id
 
 
 class CniFailure(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.cni import codes as p
 from agent.cni.messages import CniFailure, CniRequest
-from agent.ids import ContainerId
+from agent.common.ids import ContainerId
 
 CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}\Z")  # \Z: no trailing newline
 

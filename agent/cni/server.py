@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.bounded import BoundedThreadingMixIn
 from agent.cni import protocol as p
+from agent.common.bounded import BoundedThreadingMixIn
 
 log = logging.getLogger("aether.server")
 

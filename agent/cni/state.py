@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from agent.capture.policy import AnnotationProblem, CapturePolicy
-from agent.ids import ContainerId, PodKey, pod_key
+from agent.common.ids import ContainerId, PodKey, pod_key
 
 log = logging.getLogger("aether.state")
 STATE_VERSION = 1
@@ -87,7 +87,7 @@ class AddIntent:
 @dataclass
 class SeenPod:
     """A pod that went through ADD uncaptured (not managed then), remembered with its netns so
-    a label or annotation change can capture it live (agent/enroll.py), and a pod released
+    a label or annotation change can capture it live (agent/runtime/enroll.py), and a pod released
     live, remembered so it can be captured again. DEL forgets it."""
 
     container_id: str
@@ -300,7 +300,7 @@ class StateStore:
 
     def begin_add(self, intent: AddIntent) -> None:
         """Written before an ADD's first step (pin, rules): a restarted agent that finds it
-        without a record undoes what that ADD did (agent/recovery.py). Not fsynced: it must
+        without a record undoes what that ADD did (agent/runtime/recovery.py). Not fsynced: it must
         survive a crash of the agent, not of the node (a reboot takes every netns and pin)."""
         self._write_file(self._intent_path(intent.container_id), asdict(intent), sync=False)
 

@@ -15,7 +15,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool
 
-from agent.config import PASSTHROUGH_MARK
+from agent.common.config import PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.names import (
     NETNS_ADDRESS_SELECTOR,

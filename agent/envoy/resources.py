@@ -52,7 +52,7 @@ from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from google.protobuf.message import Message
 
 from agent.authz.policy import needs_http
-from agent.config import CAPTURE_PORT, JUDGE_PORT, PASSTHROUGH_MARK
+from agent.common.config import CAPTURE_PORT, JUDGE_PORT, PASSTHROUGH_MARK
 from agent.envoy import mtls
 from agent.envoy.clusters import (
     OVERPROVISIONING_FACTOR,

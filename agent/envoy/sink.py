@@ -21,7 +21,7 @@ import psutil
 
 from agent.authz.policy import Policy
 from agent.cni.state import CapturedPod
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.envoy import watchdog
 from agent.envoy.bootstrap import build_bootstrap, ensure_private_dir, write_bootstrap
 from agent.envoy.compat import BUILT_FOR, wire_patch
@@ -92,7 +92,7 @@ class EnvoySink:
                  traffic_max_series: int = MAX_SERIES, traffic_source_pods: bool = False,
                  slot: str = "envoy") -> None:
         # <run-dir>/<slot>: this agent's Envoy files; a take-over runs its Envoy in the other
-        # slot beside the old agent's (agent.takeover)
+        # slot beside the old agent's (agent.runtime.takeover)
         self.slot = slot
         self.retired_at: float | None = None  # when a successor took over (draining since)
         self.hold_until_services = False  # a take-over's Envoy: nothing before the Services
@@ -112,12 +112,12 @@ class EnvoySink:
         self._envoy_traffic_lock = threading.Lock()
         self.hang_kills = 0
         self.netns_restarts = 0  # Envoy found outside the node netns and restarted
-        self.metrics: Any = None  # agent.metrics.Metrics: xDS push-to-ACK durations
+        self.metrics: Any = None  # agent.ops.metrics.Metrics: xDS push-to-ACK durations
         self.node = node
         self.ack_timeout = ack_timeout
         self.dir = os.path.join(node.run_dir, slot)
         ensure_private_dir(self.dir)  # 0700: it holds the admin socket
-        from agent.takeover import xds_socket
+        from agent.runtime.takeover import xds_socket
         self.xds_socket = xds_socket(node.run_dir, slot)
         self.bootstrap_path = os.path.join(self.dir, "bootstrap.json")
         self.pid_path = os.path.join(self.dir, "envoy.pid")

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import psutil
 
-from agent.backoff import backoff_delay
+from agent.common.backoff import backoff_delay
 from agent.envoy.compat import OLDEST_SERVED
 from agent.envoy.watchdog import stat_fields
 
@@ -32,7 +32,7 @@ from agent.envoy.watchdog import stat_fields
 # written for 1.40 and served to 1.39 with the changes of agent.envoy.compat, the oldest
 # release tested (integration/test_takeover.py). Older ones reject it: refuse them plainly.
 MIN_ENVOY_VERSION = OLDEST_SERVED
-# Envoy crashed: wait 0.25–0.5 s after the first crash, doubling, at most 30 s (agent.backoff)
+# Envoy crashed: wait 0.25–0.5 s after the first crash, doubling, at most 30 s (agent.common.backoff)
 RESTART_BACKOFF_BASE_S = 0.5
 RESTART_BACKOFF_CAP_S = 30.0
 

@@ -24,7 +24,7 @@ from agent.gamma import DEFAULT_CONTROLLER_NAME
 from agent.gamma.conditions import GATEWAY_GROUP, ParentStatus
 from agent.kube.client import raw_options
 from agent.kube.rest import CustomObjects
-from agent.loops import DebouncedLoop
+from agent.runtime.loops import DebouncedLoop
 from agent.scope.routes import ParentRef
 
 log = logging.getLogger("aether.gamma.status")

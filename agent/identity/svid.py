@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.ids import IdentityKey
+from agent.common.ids import IdentityKey
 
 # Renew at half life, as SPIRE agents do: a failing provider then has half the lifetime to
 # recover before any pod fails closed.

@@ -74,7 +74,7 @@ def install(
     ] = "/var/run/aether/cni-install.json",
 ) -> None:
     """Install aether-cni (chained last) into kubelet's CNI config and the host bin dir."""
-    from agent import logs
+    from agent.common import logs
 
     logs.setup(log_level, log_format)
     python_runtime = resolve_runtime(python_runtime)

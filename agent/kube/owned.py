@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from tenacity import RetryCallState, RetryError, Retrying, stop_after_attempt, wait_fixed
 
 from agent.kube.client import raw_options
-from agent.loops import DebouncedLoop
+from agent.runtime.loops import DebouncedLoop
 
 log = logging.getLogger("aether.kube.owned")
 

@@ -20,7 +20,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from agent.capture.policy import decide
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.kube import done
 from agent.kube.rest import CoreV1
 from agent.source.base import PodEvent

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from agent.config import NodeConfig
-from agent.ids import pod_key, service_key
+from agent.common.config import NodeConfig
+from agent.common.ids import pod_key, service_key
 from agent.scope.deps import DEFAULT_LEARN_TTL, DEPENDENCIES_ANNOTATION, DependencySet
 from agent.scope.registry import PodRecord, Registry
 from agent.scope.routes import ROUTE_KINDS, Route, RouteCatalog, route_from_object

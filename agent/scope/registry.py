@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.capture.policy import managed
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
+from agent.common.ids import PodKey, pod_key
 from agent.identity.svid import spiffe_id
-from agent.ids import PodKey, pod_key
 from agent.scope.services import canonical_ip
 from agent.scope.small_sets import Bucket, add_to, bucket, discard_from
 from agent.source.model import (

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.ids import ServiceKey, service_key
+from agent.common.ids import ServiceKey, service_key
 from agent.scope import durations
 from agent.source.objects import (
     BackendTrafficPolicyObject,

@@ -13,10 +13,10 @@ from typing import Any
 
 import orjson
 
-from agent.ids import pod_key
+from agent.common.ids import pod_key
+from agent.common.workload import workload_of
 from agent.source.objects import EndpointSliceObject, NodeObject, PodObject, ServiceObject
 from agent.source.packed import pack
-from agent.workload import workload_of
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class PodMeta:
     net_admin: bool = False  # a container can set SO_MARK: it could forge the passthrough mark
     ips: tuple[str, ...] = ()  # status.podIPs: how a pod older than the agent is found
     phase: str = ""  # status.phase
-    workload: str = ""  # the controlling owner (agent.workload): what the metrics name it by
+    workload: str = ""  # the controlling owner (agent.common.workload): what the metrics name it by
 
     @property
     def key(self) -> str:
@@ -208,7 +208,7 @@ def slim_pod(obj: PodObject) -> dict[str, Any]:
     churn (restart counts, probe times) no longer changes the stored object (the
     resourceVersion goes too: unchanged content is an unchanged object). Readers:
     ``pod_from_object``, ``agent.scope.registry`` (IPs, Ready, named ports, deletion),
-    ``agent.node.repair``, ``agent.enroll``."""
+    ``agent.node.repair``, ``agent.runtime.enroll``."""
     meta = _map(obj.get("metadata"))
     spec = _map(obj.get("spec"))
     status = _map(obj.get("status"))

@@ -43,8 +43,8 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from agent.authz.policy import API_VERSION as AUTHZ_API_VERSION
 from agent.authz.policy import KIND as AUTHZ_KIND
-from agent.backoff import backoff_delay
-from agent.heap import listing
+from agent.common.backoff import backoff_delay
+from agent.common.heap import listing
 from agent.kube import KubeConfigError, abandon, api_client, done
 from agent.meshpods.record import API_VERSION as MESHPOD_API_VERSION
 from agent.meshpods.record import KIND as MESHPOD_KIND

@@ -25,7 +25,7 @@ from agent.capture.rules import render_releasing
 from agent.cni.state import CapturedPod, StateStore
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane, NftDataplane
 from agent.netns.enter import NetnsGone
-from agent.recovery import recover_interrupted_adds
+from agent.runtime.recovery import recover_interrupted_adds
 
 log = logging.getLogger("aether.uninstall")
 
@@ -109,7 +109,7 @@ def release_offline(run_dir: str, progress: Callable[[str], None],
 def stop_envoy(run_dir: str, progress: Callable[[str], None], timeout: float = 10.0) -> bool:
     """Stop every Envoy (and keeper) agents with this run dir left running, in either slot
     (a take-over runs the new agent's Envoy in the other one). True when none is left."""
-    from agent.takeover import SLOTS
+    from agent.runtime.takeover import SLOTS
     return all([stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
 
 

@@ -25,7 +25,7 @@ DEFAULT_SYSTEM_NAMESPACES = ("kube-system", "kube-public", "kube-node-lease", "a
 
 class PeerProxy:
     """The other agent's proxy cgroup while two agents overlap on a node (a take-over,
-    ``agent.takeover``): both Envoys' upstream sockets must RETURN in every pod's rules until
+    ``agent.runtime.takeover``): both Envoys' upstream sockets must RETURN in every pod's rules until
     the old one has exited. Shared by reference, so every holder of the node config renders
     the same rules."""
 

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.bounded import BoundedThreadingMixIn
+from agent.common.bounded import BoundedThreadingMixIn
 
 log = logging.getLogger("aether.metrics")
 

@@ -24,24 +24,24 @@ from agent.cni import request as cni_request
 from agent.cni.handler import CniHandler, ListenerSink, NullSink
 from agent.cni.server import UnixJsonServer, json_handler
 from agent.cni.state import CapturedPod, StateStore
-from agent.config import NodeConfig
-from agent.mesh import MeshRuntime
+from agent.common.config import NodeConfig
+from agent.common.workload import workload_of
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane
 from agent.netns.enter import NetnsError
 from agent.netns.pin import pins_visible_to, share_pin_dir
-from agent.recovery import recover_interrupted_adds
+from agent.runtime.mesh import MeshRuntime
+from agent.runtime.recovery import recover_interrupted_adds
+from agent.runtime.takeover import Peer
 from agent.source.base import MetadataSource
-from agent.takeover import Peer
-from agent.workload import workload_of
 
 if TYPE_CHECKING:  # the subsystems' types; their modules load only when started
-    from agent.enroll import EnrollmentLoop
     from agent.gamma.lease import LeaseElector
     from agent.gamma.status import StatusLoop
     from agent.meshpods.publisher import MeshPodPublisher
-    from agent.metrics import Metrics, MetricsServer
     from agent.node.readiness import ReadinessLoop
     from agent.node.repair import RepairLoop
+    from agent.ops.metrics import Metrics, MetricsServer
+    from agent.runtime.enroll import EnrollmentLoop
     from agent.slices.writer import SliceProjector
 
 log = logging.getLogger("aether.agent")
@@ -79,7 +79,7 @@ class AgentOptions:
     metrics_port: int | None = None  # None or 0: no metrics server
     live_enrollment: bool = True  # capture/release running pods as labels change
     release_on_removal: bool = True  # our DaemonSet deleted: release every pod before exit
-    # take-overs (agent.takeover): this agent's name (its control socket), the agent it
+    # take-overs (agent.runtime.takeover): this agent's name (its control socket), the agent it
     # replaces (found at start), and how long a replaced agent's connections get after SIGTERM
     instance: str = ""
     peer: Peer | None = None
@@ -130,7 +130,7 @@ class Agent:
         self._frozen_at = 0.0
         self.peer_state = ""  # the replaced agent: "draining", then "gone"
         self.sigterm_at: float | None = None
-        from agent.takeover import control_socket
+        from agent.runtime.takeover import control_socket
         self.instance = self.options.instance or f"{node.node_name}-{os.getpid()}"
         self.control_server = UnixJsonServer(control_socket(node.run_dir, self.instance),
                                              json_handler(self._control_request), "control")
@@ -149,7 +149,7 @@ class Agent:
         self.control_server.start()
         peer = self.options.peer
         if peer is not None:
-            from agent.takeover import ask
+            from agent.runtime.takeover import ask
             log.info("taking over from aether-agent %s pid %d (slot %s): freezing its CNI "
                      "socket", peer.version, peer.pid, peer.slot)
             ask(peer, "freeze", timeout=90.0, successor=self.instance, pid=os.getpid())
@@ -179,7 +179,7 @@ class Agent:
             self._await_own_listeners()
         self.cni_server.start(replace=peer is not None)
         if self.mesh is not None and self.options.live_enrollment:
-            from agent.enroll import EnrollmentLoop
+            from agent.runtime.enroll import EnrollmentLoop
             self.enrollment = EnrollmentLoop(self.handler, self.mesh.objects, self.node)
             self.enrollment.start()
         if self.options.kube and self.options.node_loops:
@@ -197,13 +197,13 @@ class Agent:
             self.status_server.start()
         slot = getattr(self.sink, "slot", None)
         if isinstance(slot, str):  # the next plain start adopts this slot's Envoy
-            from agent.takeover import write_serving_slot
+            from agent.runtime.takeover import write_serving_slot
             write_serving_slot(self.node.run_dir, slot)
         self.started.set()
         log.info("aether-agent %s ready on node %s (source: %s)", __version__,
                  self.node.node_name, self.source.describe())
 
-    # -- take-over (agent.takeover) ------------------------------------------------------
+    # -- take-over (agent.runtime.takeover) ------------------------------------------------------
     def _cni_request(self, raw: bytes) -> bytes:
         """The CNI handler behind the hand-over gate: once a successor is taking over, each
         request is answered try-again (kubelet retries it, and the successor serves it)."""
@@ -223,7 +223,7 @@ class Agent:
 
     def hello(self) -> dict[str, Any]:
         """What a successor needs to run beside this agent."""
-        from agent.takeover import control_socket
+        from agent.runtime.takeover import control_socket
         sink_pid = getattr(self.sink, "pid", None)
         return {"pid": os.getpid(), "instance": self.instance, "version": __version__,
                 "control": control_socket(self.node.run_dir, self.instance),
@@ -257,7 +257,7 @@ class Agent:
                                bound: float = 300.0) -> None:
         """A successor that dies (or never commits) must not leave the node without an
         agent serving CNI: serve again."""
-        from agent.takeover import wait_pid_gone
+        from agent.runtime.takeover import wait_pid_gone
         deadline = frozen_at + bound
         while time.monotonic() < deadline:
             dead = successor_pid is not None and wait_pid_gone(successor_pid, 0.0)
@@ -336,7 +336,7 @@ class Agent:
             if time.monotonic() > deadline:
                 peer = self.options.peer
                 if peer is not None:
-                    from agent.takeover import ask
+                    from agent.runtime.takeover import ask
                     try:
                         ask(peer, "thaw", timeout=10.0)
                     except (OSError, RuntimeError, ValueError):
@@ -347,7 +347,7 @@ class Agent:
             time.sleep(0.1)
 
     def _commit_takeover(self, peer: Peer) -> None:
-        from agent.takeover import ask
+        from agent.runtime.takeover import ask
         ask(peer, "commit", timeout=30.0)
         self.peer_state = "draining"
         log.info("took over from pid %d: its Envoy drains; it exits on SIGTERM", peer.pid)
@@ -356,7 +356,7 @@ class Agent:
 
     def _after_peer(self, peer: Peer) -> None:
         """Once the replaced agent's Envoy is gone, its RETURN leaves every pod's table."""
-        from agent.takeover import wait_pid_gone
+        from agent.runtime.takeover import wait_pid_gone
         while not self.stopped.is_set():
             if wait_pid_gone(peer.envoy_pid, 1.0) and wait_pid_gone(peer.pid, 0.0):
                 break
@@ -583,7 +583,7 @@ class Agent:
         return float(len(self.mesh.model.in_scope_keys())) if self.mesh is not None else 0.0
 
     def _start_metrics(self) -> None:
-        from agent.metrics import Metrics, MetricsServer
+        from agent.ops.metrics import Metrics, MetricsServer
         m = Metrics()
         self.metrics = m
         self.handler.metrics = m
@@ -989,7 +989,7 @@ class Agent:
                                     "version": peer.version, "slot": peer.slot,
                                     "state": self.peer_state or "taking over"}
         if self.peer_state == "draining":
-            from agent.takeover import ask
+            from agent.runtime.takeover import ask
             try:
                 replaced.update(ask(peer, "drain", timeout=1.0)["drain"])
                 replaced["state"] = "draining"
@@ -1115,7 +1115,7 @@ class Agent:
         command = request.get("command")
         if command == "status":
             return {"ok": True, "status": self.status()}
-        if command == "hello":  # a successor starting on this run dir (agent.takeover)
+        if command == "hello":  # a successor starting on this run dir (agent.runtime.takeover)
             return {"ok": True, "hello": self.hello()}
         if command == "traffic":  # aether-agent top
             xds = getattr(self.sink, "xds", None)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from agent.capture.policy import CapturePolicy, decide
 from agent.cni.state import CapturedPod, SeenPod
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
 from agent.source.base import WatchEvent
 from agent.source.model import NamespaceMeta, PodMeta, namespace_from_object, pod_from_object
 

@@ -21,10 +21,10 @@ from agent.authz.index import PolicyIndex
 from agent.authz.policy import DEFAULT_ROOT_NAMESPACE, Policy
 from agent.authz.policy import KIND as AUTHZ_KIND
 from agent.cni.state import CapturedPod
-from agent.config import NodeConfig
+from agent.common.config import NodeConfig
+from agent.common.ids import pod_key
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
-from agent.ids import pod_key
 from agent.scope.model import REMOTE_POD_KIND, MeshModel, ServiceView
 from agent.scope.route_tables import GammaResult, build_tables
 from agent.scope.routes import Route

@@ -26,7 +26,7 @@ answering on the status socket and takes over, in this order:
    RETURN out of every table.
 
 This module holds the plain parts (slots, names, messages) and the client side of the
-control socket; ``agent.app`` runs both sides.
+control socket; ``agent.runtime.app`` runs both sides.
 """
 
 from __future__ import annotations
