@@ -5,35 +5,40 @@ served view changed, so the xDS builder rebuilds only those (one pod or one Serv
 touches only the Services that depend on it). Reads (``resolve``, ``in_scope_services``,
 ``lookup_cluster_ip``) are what capture, xDS and traffic learning need. All of it is pure
 bookkeeping under one lock; no I/O, so every rule here is unit-testable.
+
+The pieces it is made of live next to it: the served types (``Endpoint``, ``ServiceView``)
+in ``views``, a Service's endpoints and their topology preference in ``endpoints``, the
+EndpointSlice digest in ``endpoint_slices``, the Service policies' traffic fields in
+``backend_policies``; the names this module held stay importable from here.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 from agent.common.config import NodeConfig
-from agent.common.ids import pod_key, service_key
+from agent.common.ids import pod_key
+from agent.scope.backend_policies import BACKEND_POLICY_KINDS, policy_traffic
 from agent.scope.deps import DEFAULT_LEARN_TTL, DEPENDENCIES_ANNOTATION, DependencySet
+from agent.scope.endpoint_slices import SERVICE_NAME_LABEL, Hint, _Slice, slice_digest
+from agent.scope.endpoints import hint_mode, service_endpoints
 from agent.scope.registry import PodRecord, Registry
-from agent.scope.routes import ROUTE_KINDS, Route, RouteCatalog, route_from_object
+from agent.scope.routes import ROUTE_KINDS, RouteCatalog, route_from_object
 from agent.scope.services import (
     DEFAULT_MESH_DOMAIN,
     ZONE_LABEL,
     Service,
     ServiceCatalog,
-    ServicePort,
     TrafficPolicy,
-    canonical_ip,
     policy_targets,
-    retry_constraint,
     service_from_object,
-    session_persistence,
 )
 from agent.scope.small_sets import Bucket, add_to, discard_from
+from agent.scope.views import Endpoint, ServiceView
 from agent.source.base import WatchEvent
 from agent.source.model import shared
 from agent.source.objects import (
@@ -43,167 +48,14 @@ from agent.source.objects import (
     RouteObject,
     ServiceObject,
 )
-from agent.source.objects import (
-    Endpoint as SliceEndpoint,
-)
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-#: Gateway API policies on Services: XBackendTrafficPolicy (retry budget, session
-#: persistence) and its predecessor BackendLBPolicy (session persistence), one pool: on
-#: conflict the oldest of either kind wins.
-BACKEND_POLICY_KINDS = ("XBackendTrafficPolicy", "BackendLBPolicy")
+# the names this module held before the split, importable from here as before
+__all__ = ["BACKEND_POLICY_KINDS", "NAMESPACE_CHUNK", "REMOTE_POD_KIND", "SCOPE_CHANGED",
+           "SERVICE_NAME_LABEL", "Endpoint", "Hint", "MeshModel", "ServiceView", "hint_mode"]
+
 #: ``agent.meshpods.record.KIND``: another node's pod as its agent published it (the source
 #: stores it as the slim Pod it holds, under this kind).
 REMOTE_POD_KIND = "MeshPod"
-
-
-_READY, _DRAINING, _LOCAL, _ALWAYS_READY, _PREFERRED = 1, 2, 4, 8, 16  # Endpoint._flags
-
-
-class Endpoint:
-    """One backend address for one Service port; identity is the pod's own SA. Slotted, its
-    five flags in one int: a 10k-Service cluster holds one per remote pod and port (a
-    ``__dict__`` each was 15 MB at 100k pods, ten slots 11 MB). Immutable, compared by value;
-    ``evolve`` makes a changed copy.
-
-    ``always_ready``: publishNotReadyAddresses, ready whatever the pod says, terminating or
-    not (as the EndpointSlice controller publishes it). ``preferred``: trafficDistribution,
-    in the caller's zone / on its node (first priority of its tier)."""
-
-    __slots__ = ("ip", "port", "sa_identity", "san", "pod", "_flags")
-
-    ip: str
-    port: int
-    sa_identity: str
-    san: str
-    pod: str
-    _flags: int
-
-    def __init__(self, ip: str, port: int, sa_identity: str, ready: bool, draining: bool,
-                 san: str = "", pod: str = "", local: bool = False, always_ready: bool = False,
-                 preferred: bool = True) -> None:
-        init = object.__setattr__
-        init(self, "ip", ip)
-        init(self, "port", port)
-        init(self, "sa_identity", sa_identity)
-        init(self, "san", san)
-        init(self, "pod", pod)
-        init(self, "_flags", (_READY if ready else 0) | (_DRAINING if draining else 0)
-             | (_LOCAL if local else 0) | (_ALWAYS_READY if always_ready else 0)
-             | (_PREFERRED if preferred else 0))
-
-    ready = property(lambda self: bool(self._flags & _READY))
-    draining = property(lambda self: bool(self._flags & _DRAINING))
-    local = property(lambda self: bool(self._flags & _LOCAL))
-    always_ready = property(lambda self: bool(self._flags & _ALWAYS_READY))
-    preferred = property(lambda self: bool(self._flags & _PREFERRED))
-
-    def _key(self) -> tuple[str, int, str, str, str, int]:
-        return (self.ip, self.port, self.sa_identity, self.san, self.pod, self._flags)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"Endpoint is immutable (set {name})")
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Endpoint):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return (f"Endpoint(ip={self.ip!r}, port={self.port}, sa_identity={self.sa_identity!r}, "
-                f"ready={self.ready}, draining={self.draining}, san={self.san!r}, "
-                f"pod={self.pod!r}, local={self.local}, always_ready={self.always_ready}, "
-                f"preferred={self.preferred})")
-
-    def __reduce__(self) -> tuple[Any, ...]:  # copy and pickle through the constructor
-        return (Endpoint, (self.ip, self.port, self.sa_identity, self.ready, self.draining,
-                           self.san, self.pod, self.local, self.always_ready, self.preferred))
-
-    def evolve(self, **changes: Any) -> Endpoint:
-        """A copy with ``changes`` (the constructor's keywords)."""
-        kw: dict[str, Any] = {
-            "ip": self.ip, "port": self.port, "sa_identity": self.sa_identity,
-            "ready": self.ready, "draining": self.draining, "san": self.san, "pod": self.pod,
-            "local": self.local, "always_ready": self.always_ready,
-            "preferred": self.preferred}
-        kw.update(changes)
-        return Endpoint(**kw)
-
-
-@dataclass(frozen=True)
-class ServiceView:
-    """What the xDS builder needs for one in-scope Service.
-
-    ``routes`` non-empty: a route target, its vhost uses these routes (no identity of its
-    own). Empty: an identity route to its own ``endpoints``. ``endpoints`` are the Service as
-    a backend cluster (per Service port, targetPorts resolved per pod).
-    """
-
-    key: str
-    namespace: str
-    name: str
-    cluster_ips: tuple[str, ...]
-    ports: tuple[ServicePort, ...]
-    names: tuple[str, ...]
-    endpoints: dict[int, tuple[Endpoint, ...]] = field(default_factory=dict)
-    routes: tuple[Route, ...] = ()
-    traffic: TrafficPolicy = field(default_factory=TrafficPolicy)
-
-    @property
-    def is_route_target(self) -> bool:
-        return bool(self.routes)
-
-    @property
-    def backends(self) -> frozenset[str]:
-        out: set[str] = set()
-        for r in self.routes:
-            out |= r.backend_keys
-        return frozenset(out)
-
-
-@dataclass
-class _Slice:
-    service: str
-    pods: tuple[str, ...]  # tuples: a set of ten is 728 bytes, 10k Services hold two each
-    ips: tuple[str, ...]
-    ports: dict[str, int]
-    # address → (forZones, forNodes) of the endpoints the EndpointSlice controller hinted
-    hints: dict[str, Hint] = field(default_factory=lambda: _NO_HINTS)
-
-
-#: An endpoint's EndpointSlice hints: the zones and the nodes it is meant for.
-Hint = tuple[frozenset[str], frozenset[str]]
-_NO_HINTS: dict[str, Hint] = {}  # shared by the slices without hints (never changed in place)
-_NO_HINT: Hint = (frozenset(), frozenset())
-
-
-def _hint(ep: SliceEndpoint) -> Hint | None:
-    """An endpoint's ``hints.forZones`` / ``hints.forNodes`` names, None without either."""
-    hints = ep.get("hints")
-    if not isinstance(hints, dict):
-        return None
-    zones = frozenset(str(h.get("name")) for h in hints.get("forZones") or []
-                      if isinstance(h, dict) and h.get("name"))
-    nodes = frozenset(str(h.get("name")) for h in hints.get("forNodes") or []
-                      if isinstance(h, dict) and h.get("name"))
-    return (zones, nodes) if zones or nodes else None
-
-
-def hint_mode(hints: list[Hint], node: str, zone: str) -> str:
-    """kube-proxy's reading of the hints of a Service port's ready endpoints: "node" when
-    every one has a node hint and one is for this node, else "zone" when every one has a
-    zone hint and one is for this node's zone, else "" (the hints say nothing usable: an
-    endpoint without them, or none meant for us)."""
-    if not hints:
-        return ""
-    if all(h[1] for h in hints) and any(node in h[1] for h in hints):
-        return "node"
-    if zone and all(h[0] for h in hints) and any(zone in h[0] for h in hints):
-        return "zone"
-    return ""
 
 
 SCOPE_CHANGED = "*scope*"  # in a deferred result: the served set may have moved
@@ -476,28 +328,8 @@ class MeshModel:
             return None if svc is None else replace(svc, traffic=self._traffic(svc))
 
     def _traffic(self, svc: Service) -> TrafficPolicy:
-        """The Service's own traffic fields, with the retry budget of the oldest
-        XBackendTrafficPolicy targeting it and the session persistence of the oldest policy
-        (XBackendTrafficPolicy or BackendLBPolicy) that sets one (Gateway API: on conflict,
-        the oldest policy by creation time, then by namespace/name, wins), each field on its
-        own."""
-        policies = sorted(
-            ((str((p.get("metadata") or {}).get("creationTimestamp") or ""), k, p)
-             for k, p in self._backend_policies.items() if svc.key in policy_targets(p)),
-            key=lambda t: (t[0], t[1]))
-        traffic = svc.traffic
-        retry = session = False
-        for _created, _key, p in policies:
-            percent, floor = retry_constraint(p)
-            if percent is not None and not retry:
-                traffic = replace(traffic, retry_budget_percent=percent,
-                                  min_retry_concurrency=floor)
-                retry = True
-            persistence = session_persistence(p)
-            if persistence is not None and not session:
-                traffic = replace(traffic, session=persistence)
-                session = True
-        return traffic
+        """The Service's traffic fields with the policies on it (``policy_traffic``)."""
+        return policy_traffic(svc, self._backend_policies)
 
     def _apply_node(self, name: str, obj: dict[str, Any] | None) -> set[str]:
         """A node's zone changed: every Service preferring its zone recomputes."""
@@ -513,33 +345,6 @@ class MeshModel:
         hinted = set(self._slice_hints) if name == self.node_name else set()
         return hinted | {k for k in keys if (svc := self.services.get(k)) is not None
                          and svc.traffic.prefer == "zone"}
-
-    def _preferred(self, svc: Service, rec: Any) -> bool:
-        """Whether trafficDistribution prefers this endpoint for callers on this node. A
-        zone preference with this node's zone unknown prefers nothing (no fallback needed)."""
-        if svc.traffic.prefer == "node":
-            return bool(rec.local)
-        if svc.traffic.prefer == "zone":
-            mine = self._zones.get(self.node_name, "")
-            return not mine or self._zones.get(rec.node_name or "", "") == mine
-        return True
-
-    def _by_hints(self, eps: list[Endpoint], hints: dict[str, Hint]) -> list[Endpoint]:
-        """EndpointSlice hints, where they say something, decide which endpoints are
-        preferred, as they decide for kube-proxy (the controller may hint an endpoint of
-        another zone to ours, to balance zones by capacity); where they do not (an endpoint
-        without them, none meant for this node or zone) trafficDistribution's own reading
-        stays. kube-proxy drops the endpoints not hinted for us; here they stay behind the
-        hinted ones as a fallback priority, used only if those fail."""
-        ready = [hints.get(ep.ip, _NO_HINT) for ep in eps
-                 if ep.ready and (ep.always_ready or not ep.draining)]
-        mode = hint_mode(ready, self.node_name, self._zones.get(self.node_name, ""))
-        if not mode:
-            return eps
-        which = 1 if mode == "node" else 0
-        mine = self.node_name if mode == "node" else self._zones.get(self.node_name, "")
-        return [ep.evolve(preferred=mine in hints.get(ep.ip, _NO_HINT)[which]) for ep in eps]
-
     def _apply_service(self, ns: str, name: str, svc: Service | None) -> set[str]:
         key = f"{ns}/{name}"
         if svc is None:
@@ -573,28 +378,8 @@ class MeshModel:
         if old is not None:
             discard_from(self._slices_by_svc, old.service, skey)
         if obj is not None:
-            svc_name = ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
-            if svc_name:
-                pods: set[str] = set()
-                ips: set[str] = set()
-                slice_ports: dict[str, int] = {}
-                slice_hints: dict[str, Hint] = {}
-                for p in obj.get("ports") or []:
-                    if isinstance(p, dict) and isinstance(p.get("port"), int):
-                        slice_ports[str(p.get("name") or "")] = p["port"]
-                for ep in obj.get("endpoints") or []:
-                    if not isinstance(ep, Mapping):  # a dict, or packed (slim)
-                        continue
-                    ref = ep.get("targetRef") or {}
-                    if ref.get("kind") == "Pod" and ref.get("name"):
-                        pods.add(pod_key(ref.get("namespace") or ns, ref["name"]))
-                    addresses = [str(a) for a in ep.get("addresses") or []]
-                    ips.update(addresses)
-                    if (hint := _hint(ep)) is not None:
-                        slice_hints.update((canonical_ip(a) or a, hint) for a in addresses)
-                # ports: one shared map for every slice saying {"http": 8080}
-                sl = _Slice(service_key(ns, svc_name), tuple(pods), tuple(ips),
-                            shared(slice_ports) or {}, slice_hints or _NO_HINTS)
+            sl = slice_digest(ns, obj)
+            if sl is not None:
                 self._slices[skey] = sl
                 add_to(self._slices_by_svc, sl.service, skey)
         affected: set[str] = set()
@@ -688,29 +473,9 @@ class MeshModel:
             return None
         members = self.registry.members(key)
         slice_ports = self._slice_ports.get(key, {}) if svc.selector is None else {}
-        # Endpoints of the Service's own IP families only, as EndpointSlices are per family:
-        # an IPv4-only Service never sends a client to a pod's IPv6 address.
-        families = {6 if ":" in ip else 4 for ip in svc.cluster_ips}
-        endpoints: dict[int, tuple[Endpoint, ...]] = {}
-        for sp in svc.ports:
-            eps: list[Endpoint] = []
-            for rec in members:
-                if svc.traffic.local_only and not rec.local:
-                    continue  # internalTrafficPolicy: Local: this node's pods only
-                target = slice_ports.get(sp.name) or rec.target_port(sp.target_port)
-                if target is None:
-                    continue  # a named targetPort this pod does not define: not an endpoint
-                san = rec.san(self.trust_domain)
-                ready = rec.ready or svc.traffic.publish_not_ready
-                preferred = self._preferred(svc, rec)
-                eps.extend(
-                    Endpoint(ip, target, rec.identity, ready, rec.terminating, san,
-                             rec.key, rec.local, svc.traffic.publish_not_ready, preferred)
-                    for ip in rec.ips
-                    if not families or (6 if ":" in ip else 4) in families
-                )
-            hinted = self._slice_hints.get(key)
-            endpoints[sp.port] = tuple(self._by_hints(eps, hinted) if hinted else eps)
+        endpoints = service_endpoints(
+            svc, members, slice_ports, self._slice_hints.get(key), self.trust_domain,
+            self.node_name, self._zones)
         view = ServiceView(
             key=key,
             namespace=svc.namespace,
