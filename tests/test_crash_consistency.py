@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agent.cni import handler as handler_mod
+from agent.cni import lifecycle as handler_mod  # the ADD steps and their fault points
 from agent.cni.handler import CniHandler
 from agent.cni.state import AddIntent, StateStore
 from agent.common.config import NodeConfig
