@@ -11,6 +11,10 @@ status; the rejected config is not pushed again (Envoy keeps serving its last go
 
 The same gRPC server hosts the access log service (``agent.envoy.als``) that the
 passthrough chains stream to, so traffic learning needs no second socket.
+
+This module holds the server: the snapshot, its versions and what each type requires, the
+ACK/NACK bookkeeping and the hold. A stream's wire rules (subscriptions, SotW and delta
+responses) are in ``agent.envoy.xds_wire``, the gRPC servicer in ``agent.envoy.xds_servicer``.
 """
 
 from __future__ import annotations
@@ -18,15 +22,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import socket
 import stat
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,10 +36,7 @@ from google.protobuf.message import Message
 
 from agent.envoy.als import AccessCallback, AccessLogServicer, add_access_log_servicer
 from agent.envoy.mesh_traffic import InboundTally
-from agent.envoy.mtls import SECRET_TYPE
 from agent.envoy.resources import (
-    CLUSTER_TYPE,
-    ENDPOINT_TYPE,
     LISTENER_TYPE,
     NodeXdsState,
     RawResource,
@@ -46,58 +44,24 @@ from agent.envoy.resources import (
     resource_hash,
 )
 from agent.envoy.traffic import AccessRecorder, Report
+from agent.envoy.xds_servicer import AdsServicer
+from agent.envoy.xds_wire import (
+    NAMED_TYPES,
+    TYPE_ORDER,
+    Resources,
+    _pack,
+    _Snapshot,
+    _Stream,
+    queue_response,
+    subscribe,
+)
 
-# xDS ordering: secrets (SDS), clusters, then their endpoints, then the listeners that
-# reference them.
-TYPE_ORDER = (SECRET_TYPE, CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE)
+__all__ = ["MOVE_NACK_WAIT_S", "NAMED_TYPES", "TYPE_ORDER", "Resources", "XdsServer", "_Snapshot",
+           "_Stream", "_pack"]
+
 # How long a publish that moves a namespace's cluster to a new internal listener waits for
 # Envoy's verdict on that listener before it moves the cluster (only a NACK stops it).
 MOVE_NACK_WAIT_S = 1.0
-# Types Envoy subscribes to by resource name (never wildcard).
-NAMED_TYPES = frozenset({ENDPOINT_TYPE, SECRET_TYPE})
-
-Resources = dict[str, dict[str, Message]]
-
-
-def _pack(dst: Any, type_url: str, msg: Message | RawResource,
-          patch: Callable[[bytes], bytes] | None = None) -> None:
-    """Pack into an ``Any``; pre-serialized resources are copied in as they are. ``patch``:
-    the rewrite an older Envoy needs (agent.envoy.compat.wire_patch)."""
-    if isinstance(msg, RawResource):
-        dst.type_url = type_url
-        dst.value = msg.data if patch is None else patch(msg.data)
-    else:
-        dst.Pack(msg)
-        if patch is not None:
-            dst.value = patch(dst.value)
-
-
-@dataclass
-class _Snapshot:
-    version: int
-    resources: Resources
-    hashes: dict[str, dict[str, str]]
-
-
-@dataclass
-class _Stream:
-    """Per-connection state; guarded by the server lock."""
-
-    sid: int
-    delta: bool
-    peer: str
-    out: queue.Queue[Any] = field(default_factory=queue.Queue)
-    node_id: str = ""
-    subscribed: set[str] = field(default_factory=set)
-    # type -> subscribed resource names; absent means wildcard.
-    names: dict[str, set[str]] = field(default_factory=dict)
-    # nonce -> (type_url, version) for responses still awaiting ACK/NACK.
-    last_nonce: dict[str, str] = field(default_factory=dict)
-    nonce_version: dict[str, int] = field(default_factory=dict)
-    # what the client holds (delta) or was last sent (SotW): name -> version hash, per type.
-    have: dict[str, dict[str, str]] = field(default_factory=dict)
-    acked: dict[str, int] = field(default_factory=dict)
-    connected_at: float = field(default_factory=time.time)
 
 
 class XdsServer:
@@ -174,7 +138,7 @@ class XdsServer:
         self._clear_stale_socket()
         # Each open stream holds a worker: ADS streams plus one ALS stream per Envoy worker.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="xds"))
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(AdsServicer(self), server)
         add_access_log_servicer(self.als, server)
         if server.add_insecure_port("unix:" + self.socket_path) == 0:
             raise RuntimeError(f"cannot listen on unix:{self.socket_path}")
@@ -457,82 +421,12 @@ class XdsServer:
         if self._gated:
             self._owed.setdefault(st.sid, set()).add(type_url)
             return True
-        snap = self._snap
-        nonce = uuid.uuid4().hex
-        resp: Message
-        names = st.names.get(type_url)
-        cur = snap.hashes[type_url]
-        if names is not None:
-            cur = {n: h for n, h in cur.items() if n in names}
-        have = st.have.setdefault(type_url, {})
-        force = force or type_url not in st.last_nonce
-        if st.delta:
-            # set operations on the dict views run in C: a push after one ADD costs what
-            # changed, not a Python pass over every pod's listeners
-            changed = sorted(n for n, _h in cur.items() - have.items())
-            removed = sorted(have.keys() - cur.keys())
-            if not changed and not removed and not force:
-                return False
-            d = discovery_pb2.DeltaDiscoveryResponse(
-                type_url=type_url,
-                system_version_info=str(snap.version),
-                nonce=nonce,
-                removed_resources=removed,
-            )
-            for n in changed:
-                r = d.resources.add(name=n, version=cur[n])
-                _pack(r.resource, type_url, snap.resources[type_url][n], self.wire_patch)
-            st.have[type_url] = dict(cur)
-            resp = d
-            self.log.debug("stream %d delta %s v%d: +%d -%d", st.sid, type_url,
-                           snap.version, len(changed), len(removed))
-        else:
-            if cur == have and not force:
-                return False
-            s = discovery_pb2.DiscoveryResponse(
-                type_url=type_url, version_info=str(snap.version), nonce=nonce
-            )
-            for n in sorted(cur):
-                _pack(s.resources.add(), type_url, snap.resources[type_url][n], self.wire_patch)
-            st.have[type_url] = dict(cur)
-            resp = s
-        st.last_nonce[type_url] = nonce
-        st.nonce_version[nonce] = snap.version
-        st.out.put(resp)
-        return True
+        return queue_response(st, self._snap, type_url, force, self.wire_patch, self.log)
 
     def _subscribe(self, st: _Stream, type_url: str, req: Any) -> bool:
-        """Apply the request's resource names; True if the subscription changed.
-
-        Delta: ``resource_names_subscribe``/``unsubscribe`` are increments, ``*`` is the
-        wildcard; an initial request without names is wildcard for LDS/CDS. SotW: the
-        names replace the set; empty is wildcard except for named types (EDS).
-        """
-        old = st.names.get(type_url)
-        new: set[str] | None
-        if st.delta:
-            sub, unsub = set(req.resource_names_subscribe), set(req.resource_names_unsubscribe)
-            initial = type_url not in st.subscribed
-            if initial and not sub and type_url not in NAMED_TYPES:
-                new = None
-            elif old is None and not initial:
-                new = None if "*" not in unsub else (sub - {"*"})
-            else:
-                new = ((old or set()) | sub) - unsub
-            if new is not None and "*" in new:
-                new = None
-            have = st.have.get(type_url)
-            if have is not None and new is not None:
-                for n in unsub:
-                    have.pop(n, None)
-        else:
-            names = set(req.resource_names)
-            new = None if ((not names and type_url not in NAMED_TYPES) or "*" in names) else names
-        if new is None:
-            st.names.pop(type_url, None)
-        else:
-            st.names[type_url] = new
-        return new != old
+        """Apply the request's resource names; True if the subscription changed
+        (``agent.envoy.xds_wire.subscribe``)."""
+        return subscribe(st, type_url, req)
 
     def _on_request(
         self,
@@ -601,46 +495,3 @@ class XdsServer:
             if resubscribed and not self._push(st, type_url, force=not st.delta):
                 self._in_sync(st, type_url, self._snap.version)
             self._cv.notify_all()
-
-    def _serve(self, st: _Stream, requests: Iterator[Any], context: grpc.ServicerContext
-               ) -> Iterator[Any]:
-        def reader() -> None:
-            try:
-                for req in requests:
-                    err = req.error_detail if req.HasField("error_detail") else None
-                    init = dict(req.initial_resource_versions) if st.delta else None
-                    self._on_request(st, req.type_url, req.response_nonce, req.node.id,
-                                     err, init, req)
-            except Exception as e:  # client went away / server stopping
-                self.log.debug("stream %d reader ended: %s", st.sid, e)
-            finally:
-                st.out.put(None)
-
-        context.add_callback(lambda: st.out.put(None))
-        t = threading.Thread(target=reader, name=f"xds-reader-{st.sid}", daemon=True)
-        t.start()
-        try:
-            while True:
-                item = st.out.get()
-                if item is None or not context.is_active():
-                    return
-                yield item
-        finally:
-            self._unregister(st)
-
-
-class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]  # untyped stubs
-    def __init__(self, server: XdsServer) -> None:
-        self._s = server
-
-    def StreamAggregatedResources(  # noqa: N802 - grpc naming
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
-    ) -> Iterator[Any]:
-        st = self._s._register(False, context.peer())
-        return self._s._serve(st, request_iterator, context)
-
-    def DeltaAggregatedResources(  # noqa: N802 - grpc naming
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
-    ) -> Iterator[Any]:
-        st = self._s._register(True, context.peer())
-        return self._s._serve(st, request_iterator, context)
