@@ -33,6 +33,11 @@ PURE = (
     "agent.common.ids", "agent.source.packed", "agent.envoy.judge",
     "agent.envoy.names", "agent.envoy.pod_listener", "agent.envoy.service_chains",
     "agent.envoy.clusters", "agent.envoy.raw",
+    "agent.envoy.hop_resources", "agent.envoy.inbound_detect", "agent.envoy.mtls_common",
+    "agent.envoy.mtls_deliver", "agent.envoy.mtls_inbound", "agent.envoy.mtls_out",
+    "agent.envoy.namespace_tier", "agent.envoy.node_state", "agent.envoy.pod_table",
+    "agent.envoy.service_tables", "agent.envoy.xds_wire",
+    "agent.cni.pod_lookup", "agent.cni.pod_locks",
 ) + tuple(  # every module of the pure packages, the ones added later included
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in ("authz", "capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))
