@@ -199,3 +199,11 @@ def test_the_layer_check_fails_on_a_deliberate_upward_import() -> None:
     assert bad == ["agent.capture.rules (L0) -> agent.runtime.app (L2)",
                    "agent.cni.handler (L1) -> agent.cli (L3)",
                    "agent.envoy.resources (L0) -> agent.envoy.sink (L1)"]
+
+
+def test_no_product_module_over_600_lines() -> None:
+    """A module a change touches for one reason: past 600 lines it holds several (issue #44)."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in sorted((ROOT / "agent").rglob("*.py"))}
+    assert len(sizes) > 150  # the walk saw the package
+    assert {f: n for f, n in sizes.items() if n > 600} == {}
