@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception:
         if os.path.exists(bench.agent.log_path):
-            progress("agent log tail:\n" + bench.agent.common.logs()[-2000:])
+            progress("agent log tail:\n" + bench.agent.logs()[-2000:])
         raise
     finally:
         bench.cleanup()

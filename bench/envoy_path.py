@@ -861,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         for ph in (base, env):
             if os.path.exists(ph.agent.log_path):
-                text = ph.agent.common.logs()
+                text = ph.agent.logs()
                 bad = [ln[:600] for ln in text.splitlines()  # Envoy's info lines fill any tail
                        if '"level": "error"' in ln or '"level": "warning"' in ln
                        or "][critical]" in ln or "][error]" in ln]

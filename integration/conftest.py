@@ -358,7 +358,7 @@ def running(n: EnvoyNode) -> Iterator[EnvoyNode]:
     finally:
         n.cleanup()
         n.agent.stop()
-    assert "Traceback" not in n.agent.common.logs()
+    assert "Traceback" not in n.agent.logs()
 
 
 @pytest.fixture

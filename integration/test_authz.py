@@ -237,8 +237,8 @@ def test_allow_from_a_admits_a_alone_with_the_identity_from_the_certificate(worl
     # refused; the node itself (kubelet's probes) still gets through
     direct = http_get_from(w.outsider.netns, w.server.ip(), 8080, count=1, timeout=3)[0]
     assert direct[0] == 0, direct
-    until(lambda: f"judged plaintext from={w.outsider.ip()}:" in w.node.agent.common.logs()
-          and "rbac_access_denied" in w.node.agent.common.logs(),
+    until(lambda: f"judged plaintext from={w.outsider.ip()}:" in w.node.agent.logs()
+          and "rbac_access_denied" in w.node.agent.logs(),
           "the plaintext denial was not logged with its reason", 10)
     assert host_get(w.server.ip(), 8080) == 200
     # what an operator asks: which policies select the pod, what they decide for a caller
@@ -256,7 +256,7 @@ def test_allow_from_a_admits_a_alone_with_the_identity_from_the_certificate(worl
                             w.node.agent.run_dir], capture_output=True, text=True).stdout
     assert "app/allow-a" in human and "DENIED (no ALLOW policy matched)" in human, human
     # the denials are in the server side's access log, with the caller's identity
-    until(lambda: f"peer=spiffe://{TD}/ns/app/sa/b" in w.node.agent.common.logs(),
+    until(lambda: f"peer=spiffe://{TD}/ns/app/sa/b" in w.node.agent.logs(),
           "the denial was not logged with the caller", 10)
 
 
@@ -425,10 +425,10 @@ def test_audit_never_denies_and_a_malformed_policy_is_reported_while_others_hold
     until(lambda: decisions(w, "app/watch-b", "AUDIT", "audit") >= 2, "b's calls were not audited")
     until(lambda: decisions(w, "app/deny-c", "DENY", "deny") >= 1, "c's denial was not counted")
     assert decisions(w, "*", "ALLOW", "deny") == -1.0  # no ALLOW policy selects the server
-    logs = until(lambda: "ALOW" in w.node.agent.common.logs() and w.node.agent.common.logs(),
+    logs = until(lambda: "ALOW" in w.node.agent.logs() and w.node.agent.logs(),
                  "the malformed policy was not reported")
     line = next(json.loads(ln) for ln in logs.splitlines()
                 if "app/broken" in ln and "cannot be read" in ln)
     assert line["level"] == "error", line
     # and an Event on the policy (in standalone mode the source logs it)
-    until(lambda: "InvalidAuthorizationPolicy" in w.node.agent.common.logs(), "no Event was recorded")
+    until(lambda: "InvalidAuthorizationPolicy" in w.node.agent.logs(), "no Event was recorded")

@@ -115,7 +115,7 @@ def test_access_log_flag_logs_each_connection_as_a_json_record(workdir: str, bri
         while not mine:
             assert time.monotonic() < deadline, "no access record reached the agent log"
             time.sleep(0.2)
-            mine = [r for r in _access_records(n.agent.common.logs())
+            mine = [r for r in _access_records(n.agent.logs())
                     if r.get("listener") == f"capture-{pod.container_id}"]
         (rec,) = mine
         assert rec["kind"] == "connection" and rec["cluster"] == "passthrough"

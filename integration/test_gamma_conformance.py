@@ -812,7 +812,7 @@ def test_callers_moving_to_their_own_listener_lose_no_connection(g: GammaNode) -
         g.agent.proc.wait()
         g.agent.start()
         assert g.node.envoy_pid() == pid  # adopted
-        assert "adopted envoy holds" in g.agent.common.logs()
+        assert "adopted envoy holds" in g.agent.logs()
         g.converge(lambda a: a.pod == V1 and a.route_mark is None, "the new agent serves",
                    "t-move", client="consumer/client", samples=3)
         time.sleep(3.0)  # past the drain time of any listener the new agent removed
@@ -1074,6 +1074,6 @@ def test_ownership_route_for_other_mesh_is_ignored(g: GammaNode) -> None:
 
 
 def test_agent_logged_no_traceback(g: GammaNode) -> None:
-    logs = g.agent.common.logs()
+    logs = g.agent.logs()
     assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000:][:6000]
 

@@ -53,6 +53,6 @@ def test_an_upgrade_keeps_capture_and_a_daemonset_deletion_releases(
     assert api.delete_object("DaemonSet", "aether-agent", "aether-system", "apps/v1")
     agent.stop()
     assert nft.list_table_text(pod.netns) is None  # released before the agent exited
-    assert "our DaemonSet is being deleted: releasing all 1 captured pods" in agent.common.logs()
+    assert "our DaemonSet is being deleted: releasing all 1 captured pods" in agent.logs()
     assert [n for n in os.listdir(os.path.join(agent.run_dir, "pods"))
             if n.endswith(".json")] == []

@@ -224,7 +224,7 @@ def _through_the_proxy(enode: EnvoyNode, pod: Pod, before: int) -> None:
     try:
         _within(2, "counted by the capture listener", lambda: carried(enode, pod) == before + 1)
     except AssertionError:
-        lines = [ln for ln in enode.agent.common.logs().splitlines()
+        lines = [ln for ln in enode.agent.logs().splitlines()
                  if pod.name in ln or "enroll" in ln or "release" in ln][-30:]
         status = [p for p in enode.agent.status()["pods"] if pod.name in p["pod"]]
         raise AssertionError(

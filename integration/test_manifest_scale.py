@@ -210,7 +210,7 @@ def test_bad_and_huge_manifests_beside_normal_ones_never_slow_an_add(node: Node)
     report("while the Namespace edit is applied")
 
     assert node.agent.proc.poll() is None
-    assert "Traceback" not in node.agent.common.logs()
+    assert "Traceback" not in node.agent.logs()
     for label in TIMES:
         report(label)
 

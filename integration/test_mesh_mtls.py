@@ -110,7 +110,7 @@ def test_service_call_is_mtls_and_the_backend_sees_the_caller(mnode: EnvoyNode) 
         srv.shutdown()
     # the server side's access log names the caller (--access-log)
     deadline = time.monotonic() + 10
-    while f"peer=spiffe://{TD}/ns/app/sa/client" not in mnode.agent.common.logs():
+    while f"peer=spiffe://{TD}/ns/app/sa/client" not in mnode.agent.logs():
         assert time.monotonic() < deadline, "no inbound access log line naming the caller"
         time.sleep(0.2)
     ids = {r["identity"]: r for r in mnode.agent.status()["envoy"]["identity"]["svids"]}

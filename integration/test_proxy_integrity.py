@@ -71,7 +71,7 @@ def anode(request: pytest.FixtureRequest, workdir: str, bridge_name: str) -> Ite
         if n.agent.wrapper:
             subprocess.run(["ip", "netns", "delete", name], check=False)
     if n.agent.wrapper:
-        assert "mounted the cgroup2 hierarchy at /sys/fs/cgroup" in n.agent.common.logs()
+        assert "mounted the cgroup2 hierarchy at /sys/fs/cgroup" in n.agent.logs()
 
 
 def test_cap_net_raw_process_setting_the_mark_is_still_captured(anode: EnvoyNode) -> None:

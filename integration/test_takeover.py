@@ -200,7 +200,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
         finally:
             killer.cancel()
         t_exit = time.time()
-        assert n.agent.proc.returncode == 0, n.agent.common.logs()[-3000:]  # type: ignore[union-attr]
+        assert n.agent.proc.returncode == 0, n.agent.logs()[-3000:]  # type: ignore[union-attr]
         until(lambda: envoy_a not in envoys_of(run_dir), "A's Envoy outlived A")
         time.sleep(2.0)  # load goes on against B alone
         churn.finish()
@@ -268,7 +268,7 @@ def test_a_second_agent_takes_over_under_load_with_not_one_failure(
             except subprocess.TimeoutExpired:
                 b_proc.kill()
         n.agent.stop()
-    assert "Traceback" not in n.agent.common.logs()
+    assert "Traceback" not in n.agent.logs()
 
 
 def _tail(workdir: str, name: str, size: int = 3000) -> str:

@@ -63,7 +63,7 @@ def test_uninstall_with_the_agent_serving_releases_every_pod(enode: EnvoyNode) -
         for p in (a, b):
             assert nft.list_table_text(p.netns) is None
             assert dial(p.netns, GW4, port) == "direct"  # no proxy anywhere, reaches it
-        assert "releasing all 2 captured pods" in enode.agent.common.logs()
+        assert "releasing all 2 captured pods" in enode.agent.logs()
     finally:
         srv.close()
 
