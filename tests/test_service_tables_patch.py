@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.envoy import service_tables
-from agent.envoy.resources import NodeXdsState, PodListener, ResourceBuilder, resource_hash
+from agent.envoy.resources import ENDPOINT_TYPE, NodeXdsState, PodListener, ResourceBuilder, resource_hash
 from agent.scope.model import Endpoint, ServiceView
 from agent.scope.services import ServicePort
 
@@ -55,7 +55,11 @@ def _services(n: int) -> list[ServiceView]:
 
 def _check(b: ResourceBuilder, views: list[ServiceView]) -> None:
     state = NodeXdsState(pods=(PodListener("p", "/n"),), services=tuple(views))
-    assert _hashes(b.build(state)) == _hashes(ResourceBuilder().build(state))
+    built = b.build(state)
+    assert _hashes(built) == _hashes(ResourceBuilder().build(state))
+    # the endpoint hashes handed to the xDS server are those of what was built
+    pre = b.prehashed[ENDPOINT_TYPE]
+    assert pre[0] is built[ENDPOINT_TYPE] and pre[1] == _hashes(built)[ENDPOINT_TYPE]
     # every row names the Service's current entry (a caller's chains are built from it)
     cache = b._services
     assert cache._tables is not None

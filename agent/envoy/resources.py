@@ -260,6 +260,7 @@ class ResourceBuilder:
         opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None,
                 state.resilience, TrafficLogs(state.traffic_metrics, state.connection_log))
         tables = self._services.tables(state.services, opts, state.gamma)
+        self.prehashed[ENDPOINT_TYPE] = (tables.assignments, self._services.hashes(tables))
 
         tls = state.mesh_tls
         held = tls.svids if tls is not None else {}

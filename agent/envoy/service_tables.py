@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from agent.envoy.clusters import Resilience, build_load_assignment, build_service_cluster
 from agent.envoy.names import pod_cluster_name, service_cluster_name
 from agent.envoy.pieces import tcp_proxy_filter
-from agent.envoy.raw import RawResource, encode_chains
+from agent.envoy.raw import RawResource, encode_chains, resource_hash
 from agent.envoy.service_chains import (
     ChainResult,
     TrafficLogs,
@@ -80,6 +80,10 @@ class ServiceTables:
     shared: bytes | None  # every row's chains; None: some rows are per caller
     gamma: GammaResult | None = None
     claimed: frozenset[tuple[str, int]] = frozenset()  # (ClusterIP, port) with a chain
+    # Service key -> its rows' indices in ``rows`` (a patch replaces exactly those)
+    row_at: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # name -> hash of ``assignments`` (``hashes()``), handed to the xDS server
+    assignment_hashes: dict[str, str] | None = None
 
 
 def _raw(msg: Message, name: str) -> RawResource:
@@ -106,6 +110,7 @@ class ServiceCache:
         self._services: dict[str, ServiceEntry] = {}
         self._tables: ServiceTables | None = None
         self._gamma: GammaResult | None = None
+        self._kept: tuple[str, ...] | None = None  # the last ``drop_callers`` keep
 
     def _entry(self, view: ServiceView, timeout: ServiceOptions) -> ServiceEntry:
         old = self._services.get(view.key)
@@ -225,6 +230,7 @@ class ServiceCache:
         assignments: dict[str, Message] = {}
         rows: list[tuple[ServiceEntry, ServicePort, bytes | None]] = []
         claimed: dict[tuple[str, int], str] = {}
+        row_at: dict[str, tuple[int, ...]] = {}
         live: set[str] = set()
         for view in sorted(services, key=lambda v: v.key):
             if view.key in live:
@@ -241,6 +247,7 @@ class ServiceCache:
                                 ",".join(clash))
                     continue
                 claimed.update((k, view.key) for k in claims)
+                row_at[view.key] = (*row_at.get(view.key, ()), len(rows))
                 rows.append((entry, port, chains))
         for key in [k for k in self._services if k not in live]:
             del self._services[key]
@@ -251,7 +258,7 @@ class ServiceCache:
             shared = prev if prev is not None and prev == flat else flat
         tables = ServiceTables(tuple(services), opts,
                                dict(sorted(clusters.items())), dict(sorted(assignments.items())),
-                               rows, shared, gamma, frozenset(claimed))
+                               rows, shared, gamma, frozenset(claimed), row_at)
         if old is not None:  # same objects: keep the dict identity too (cheap to publish)
             if _same_dict(old.assignments, tables.assignments):
                 tables.assignments = old.assignments
@@ -267,7 +274,7 @@ class ServiceCache:
         traffic setting changed): its rows, clusters and endpoints replaced in place, so one
         Service's change costs the same at 10k Services as at 1k (issue #43). None: a full
         pass decides (a Service added or gone, a claim or a headless Service's hosts moved)."""
-        swaps: dict[int, tuple[ServiceEntry, ServiceEntry]] = {}  # id(old entry) -> both
+        swaps: list[tuple[ServiceEntry, ServiceEntry]] = []  # (old entry, new entry)
         for i in changed:
             view, was = services[i], old.views[i]
             prev = self._services.get(view.key)
@@ -279,9 +286,10 @@ class ServiceCache:
                     or [n for n, _ in entry.eds] != [n for n, _ in prev.eds]:
                 self._services[view.key] = prev  # the full pass rebuilds it from scratch
                 return None
-            swaps[id(prev)] = (prev, entry)
+            swaps.append((prev, entry))
         clusters, assignments = old.clusters, old.assignments
-        for prev, entry in swaps.values():
+        hashes = old.assignment_hashes
+        for prev, entry in swaps:
             if any(a[1] is not b[1] for a, b in zip(prev.clusters, entry.clusters, strict=True)):
                 if clusters is old.clusters:
                     clusters = dict(old.clusters)
@@ -289,23 +297,38 @@ class ServiceCache:
             if any(a[1][1] is not b[1][1] for a, b in zip(prev.eds, entry.eds, strict=True)):
                 if assignments is old.assignments:
                     assignments = dict(old.assignments)
+                    if hashes is not None:
+                        hashes = dict(hashes)
                 assignments.update((n, cla) for n, (_, cla) in entry.eds)
+                if hashes is not None:
+                    hashes.update((n, cla.digest()) for n, (_, cla) in entry.eds)
         rows = list(old.rows)
         chains_moved = False
-        for j, (e, port, chains) in enumerate(rows):
-            hit = swaps.get(id(e))
-            if hit is None or hit[0] is not e:
-                continue
-            entry = hit[1]
-            now = next(c for p, _, c in entry.ports if p == port)
-            chains_moved |= now is not chains and now != chains
-            rows[j] = (entry, port, now)
+        for prev, entry in swaps:
+            for j in old.row_at.get(entry.view.key, ()):
+                e, port, chains = rows[j]
+                if e is not prev:  # not the rows this entry made: let a full pass decide
+                    return None
+                now = next(c for p, _, c in entry.ports if p == port)
+                chains_moved |= now is not chains and now != chains
+                rows[j] = (entry, port, now)
         shared = old.shared
         if chains_moved or shared is None:
             shared = (b"".join(c or b"" for _, _, c in rows)
                       if all(c is not None for _, _, c in rows) else None)
         return ServiceTables(tuple(services), old.timeout, clusters, assignments, rows, shared,
-                             old.gamma, old.claimed)
+                             old.gamma, old.claimed, old.row_at, hashes)
+
+    @staticmethod
+    def hashes(tables: ServiceTables) -> dict[str, str]:
+        """The hash of each of ``tables``' endpoint resources (what the xDS server would
+        compute), kept with them and patched with them: a push after one Service's change
+        hashes that Service's, not 10k."""
+        if tables.assignment_hashes is None:
+            tables.assignment_hashes = {n: m.digest() if type(m) is RawResource
+                                        else resource_hash(m)
+                                        for n, m in tables.assignments.items()}
+        return tables.assignment_hashes
 
     def caller_table(self, tables: ServiceTables, ns: str, prev: bytes | None) -> bytes:
         """The chain table of caller namespace ``ns`` (``SHARED_CALLERS``: the shared one);
@@ -328,7 +351,13 @@ class ServiceCache:
         return prev if prev is not None and prev == table else table
 
     def drop_callers(self, keep: Sequence[str]) -> None:
-        """Forget the per-caller chains of the caller namespaces not in ``keep``."""
+        """Forget the per-caller chains of the caller namespaces not in ``keep``. Only
+        ``keep``'s namespaces are ever added (``caller_table``), so the same ``keep`` as
+        last time has nothing to drop: no pass over every Service."""
+        kept = tuple(keep)
+        if kept == self._kept:
+            return
+        self._kept = kept
         for e in self._services.values():
             for key in [k for k in e.per_caller if k not in keep]:
                 del e.per_caller[key]
