@@ -3,6 +3,7 @@ its load assignment, the per-caller-namespace internal clusters and the passthro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -69,17 +70,38 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     backends); tcp_proxy ignores it. Upstream sockets are opened in the calling pod's netns
     with the mark, pooled per downstream connection (``upstream_bind_config``).
     ``tunnel`` (mesh identity on): the endpoints are ``mtls-out`` internal addresses instead
-    and the pod's netns travels there in filter state (``agent.envoy.mtls``)."""
-    from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
+    and the pod's netns travels there in filter state (``agent.envoy.mtls``).
+
+    Only the name differs between the Services built with the same settings: each is a copy
+    of one template (at 10k Services, building each field by field was a third of a full
+    build)."""
+    from agent.envoy.http_routes import port_protocol
 
     name = service_cluster_name(view.namespace, view.name, port)
+    sp = next((p for p in view.ports if p.port == port), None)
+    cluster = cluster_pb2.Cluster()
+    cluster.CopyFrom(_cluster_template(
+        connect_timeout_s, mark, tunnel, resilience, view.traffic,
+        sp.app_protocol if sp is not None else None,
+        (port_protocol(sp) if sp is not None else "detect") if tunnel else None))
+    cluster.name = name
+    cluster.eds_cluster_config.service_name = name
+    return cluster
+
+
+@functools.lru_cache(maxsize=256)
+def _cluster_template(connect_timeout_s: float, mark: int, tunnel: bool, resilience: Resilience,
+                      traffic: TrafficPolicy, app_protocol: str | None, hop_protocol: str | None
+                      ) -> cluster_pb2.Cluster:
+    """A Service cluster without its name, for ``build_service_cluster`` to copy (never
+    modified: shared by every caller)."""
+    from agent.envoy.http_routes import HTTP_PROTOCOL_OPTIONS_KEY, upstream_http_protocol_options
+
     cluster = cluster_pb2.Cluster(
-        name=name,
         type=cluster_pb2.Cluster.EDS,
         connect_timeout=duration(connect_timeout_s),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
         eds_cluster_config=cluster_pb2.Cluster.EdsClusterConfig(
-            service_name=name,
             eds_config=config_source_pb2.ConfigSource(
                 ads=config_source_pb2.AggregatedConfigSource(),
                 resource_api_version=config_source_pb2.V3,
@@ -87,7 +109,7 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
         ),
         connection_pool_per_downstream_connection=True,
     )
-    apply_resilience(cluster, resilience, view.traffic)
+    apply_resilience(cluster, resilience, traffic)
     if tunnel:
         cluster.transport_socket.CopyFrom(mtls.tunnel_transport_socket())
     else:
@@ -97,16 +119,14 @@ def build_service_cluster(view: ServiceView, port: int, connect_timeout_s: float
     # at once; Envoy's default merge window (1 s) kept sending an ejected endpoint its share
     # for up to a second after it was ejected
     cluster.common_lb_config.update_merge_window.CopyFrom(duration(0.0))
-    if view.traffic.client_ip_affinity:
+    if traffic.client_ip_affinity:
         # consistent hashing on the caller's address (tcp_proxy / route hash policies);
         # Maglev moves few callers when an endpoint comes or goes
         cluster.lb_policy = cluster_pb2.Cluster.MAGLEV
-    sp = next((p for p in view.ports if p.port == port), None)
-    if tunnel:
-        from agent.envoy.http_routes import port_protocol
-        mtls.set_hop_metadata(cluster, port_protocol(sp) if sp is not None else "detect")
+    if hop_protocol is not None:
+        mtls.set_hop_metadata(cluster, hop_protocol)
     cluster.typed_extension_protocol_options[HTTP_PROTOCOL_OPTIONS_KEY].Pack(
-        upstream_http_protocol_options(sp.app_protocol if sp is not None else None))
+        upstream_http_protocol_options(app_protocol))
     return cluster
 
 

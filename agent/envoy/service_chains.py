@@ -146,7 +146,21 @@ def learn_chains(targets: Sequence[tuple[str, int]], connection_log: bool = Fals
     return tuple(out)
 
 
+def _canonical_v4(ip: str) -> bool:
+    """``ip`` is an IPv4 address already in its canonical dotted form (what
+    ``ipaddress`` would print): checked without it, which cost ~20 µs an address, a quarter
+    of a full build at 10k Services."""
+    parts = ip.split(".")
+    return len(parts) == 4 and all(
+        0 < len(o) <= 3 and o.isdigit() and o.isascii() and (o == "0" or o[0] != "0")
+        and int(o) <= 255 for o in parts)
+
+
 def _cidr(ip: str) -> address_pb2.CidrRange | None:
+    if _canonical_v4(ip):
+        cidr = address_pb2.CidrRange(address_prefix=ip)
+        cidr.prefix_len.value = 32
+        return cidr
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
