@@ -237,12 +237,8 @@ class ResourceBuilder:
         self._detect: tuple[int, ...] = ()
 
     def seed(self, reach: Mapping[str, str], listeners: Iterable[str]) -> None:
-        """What an Envoy this builder did not build holds (an agent restarted, Envoy adopted):
-        ``reach``, each caller namespace's cluster's internal listener (``mesh`` or
-        ``mesh-<ns>``, from ``adopted.namespace_reach``), and the internal listeners it
-        has. The first build then moves no cluster to a listener Envoy lacks and keeps
-        every namespace's own listener it finds (removing one closes the connections it
-        carries), exactly as if this builder had made them."""
+        """What an Envoy this builder did not build holds (an agent restarted, Envoy
+        adopted): ``NamespaceTier.seed``."""
         self._namespaces.seed(reach, listeners)
 
     def hold_moves(self) -> None:

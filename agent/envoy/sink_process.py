@@ -200,12 +200,8 @@ class EnvoyProcess:
         self.xds.release()
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready():
-                return True
-            time.sleep(0.1)
-        return False
+        from agent.envoy.supervisor import wait_for
+        return wait_for(self.ready, timeout)
 
     def ready(self) -> bool:
         from agent.envoy.supervisor import admin_request

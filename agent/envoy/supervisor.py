@@ -41,6 +41,16 @@ RESTART_BACKOFF_CAP_S = 30.0
 _VERSION_RE = re.compile(r"version: [0-9a-f]+/(\d+)\.(\d+)\.(\d+)/")
 
 
+
+def wait_for(ready: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    """Poll ``ready`` every ``step`` seconds until it holds (True) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return True
+        time.sleep(step)
+    return False
+
 class EnvoyVersionError(RuntimeError):
     """The Envoy binary is missing or too old for per-netns listeners."""
 
@@ -393,12 +403,7 @@ class EnvoySupervisor:
         return code == 200 and body.strip() == "LIVE"
 
     def wait_ready(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready():
-                return True
-            time.sleep(0.1)
-        return False
+        return wait_for(self.ready, timeout)
 
     def detach(self) -> None:
         """Stop supervising without stopping Envoy (it outlives this agent on purpose)."""

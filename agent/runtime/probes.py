@@ -14,14 +14,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agent.cni.handler import CniHandler, ListenerSink
-from agent.cni.state import StateStore
+from agent.cni.handler import ListenerSink
 from agent.common.config import NodeConfig
 from agent.common.workload import workload_of
 from agent.runtime.options import AgentOptions
+from agent.runtime.parts import AgentParts
 
 if TYPE_CHECKING:  # their modules load only when the metrics start
-    from agent.node.repair import RepairLoop
     from agent.ops.metrics import Metrics, MetricsServer
     from agent.scope.model import MeshModel
     from agent.source.events import ObjectStore
@@ -56,21 +55,11 @@ class MeshParts(Protocol):
     def model(self) -> MeshModel: ...
 
 
-class MetricsHost(Protocol):
+class MetricsHost(AgentParts, Protocol):
     """The running agent as its metrics read it (``agent.runtime.app.Agent``)."""
 
     @property
-    def options(self) -> AgentOptions: ...
-    @property
-    def sink(self) -> ListenerSink: ...
-    @property
-    def handler(self) -> CniHandler: ...
-    @property
-    def store(self) -> StateStore: ...
-    @property
     def mesh(self) -> MeshParts | None: ...
-    @property
-    def repair(self) -> RepairLoop | None: ...
 
 
 class TrafficSources:

@@ -18,19 +18,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent import __version__
-from agent.cni.handler import CniHandler, ListenerSink
+from agent.cni.handler import ListenerSink
 from agent.cni.server import UnixJsonServer
-from agent.cni.state import CapturedPod, StateStore
+from agent.cni.state import CapturedPod
 from agent.common.config import NodeConfig
 from agent.netns.dataplane import DATAPLANE_ERRORS, CaptureDataplane
 from agent.runtime.options import AgentOptions
+from agent.runtime.parts import AgentParts
 from agent.source.base import MetadataSource
 
 if TYPE_CHECKING:  # the subsystems' types; their modules load only when started
     from agent.gamma.status import StatusLoop
     from agent.meshpods.publisher import MeshPodPublisher
     from agent.node.readiness import ReadinessLoop
-    from agent.node.repair import RepairLoop
     from agent.runtime.enroll import EnrollmentLoop
     from agent.scope.model import MeshModel
     from agent.slices.writer import SliceProjector
@@ -49,7 +49,7 @@ class MeshStatus(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-class StatusHost(Protocol):
+class StatusHost(AgentParts, Protocol):
     """The running agent as the status document reads it (``agent.runtime.app.Agent``)."""
 
     @property
@@ -57,19 +57,9 @@ class StatusHost(Protocol):
     @property
     def source(self) -> MetadataSource: ...
     @property
-    def options(self) -> AgentOptions: ...
-    @property
-    def sink(self) -> ListenerSink: ...
-    @property
-    def handler(self) -> CniHandler: ...
-    @property
-    def store(self) -> StateStore: ...
-    @property
     def dataplane(self) -> CaptureDataplane: ...
     @property
     def mesh(self) -> MeshStatus | None: ...
-    @property
-    def repair(self) -> RepairLoop | None: ...
     @property
     def readiness(self) -> ReadinessLoop | None: ...
     @property
