@@ -47,7 +47,7 @@ VIEWS = (
 )
 
 
-def _json(msg: Message | RawResource) -> dict[str, Any]:
+def as_json(msg: Message | RawResource) -> dict[str, Any]:
     proto = msg.message() if isinstance(msg, RawResource) else msg
     out: dict[str, Any] = MessageToDict(proto, preserving_proto_field_name=True)
     return out
@@ -58,17 +58,23 @@ def _cases() -> dict[str, dict[str, Any]]:
     return {
         "envoy_bootstrap": build_bootstrap("node-a~aether", "/run/aether/xds.sock",
                                            "/run/aether/envoy/admin.sock"),
-        "envoy_pod_listener": _json(res[LISTENER_TYPE][f"capture-{POD.uid}"]),
-        "envoy_namespace_listener": _json(res[LISTENER_TYPE]["mesh"]),  # shared: no consumer route
-        "envoy_service_cluster": _json(res[CLUSTER_TYPE]["svc|shop|api|80"]),
-        "envoy_passthrough_cluster": _json(build_passthrough_cluster(0xAE, 5.0)),
+        "envoy_pod_listener": as_json(res[LISTENER_TYPE][f"capture-{POD.uid}"]),
+        "envoy_namespace_listener": as_json(res[LISTENER_TYPE]["mesh"]),  # shared: no consumer route
+        "envoy_service_cluster": as_json(res[CLUSTER_TYPE]["svc|shop|api|80"]),
+        "envoy_passthrough_cluster": as_json(build_passthrough_cluster(0xAE, 5.0)),
     }
 
 
-@pytest.mark.parametrize("name", sorted(_cases()))
-def test_envoy_golden(name: str) -> None:
-    text = json.dumps(_cases()[name], indent=1, sort_keys=True) + "\n"
+def matches_golden(name: str, data: Any) -> None:
+    """``data`` as JSON equals ``tests/golden/<name>.json`` (written instead with
+    AETHER_UPDATE_GOLDEN=1)."""
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
     path = GOLDEN / f"{name}.json"
     if os.environ.get("AETHER_UPDATE_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text()
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_envoy_golden(name: str) -> None:
+    matches_golden(name, _cases()[name])

@@ -10,14 +10,9 @@ A diff here is a change to what every node runs: review it as such."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import Message
 
 from agent.authz.policy import parse_policy
 from agent.envoy import mtls
@@ -28,14 +23,12 @@ from agent.envoy.resources import (
     LISTENER_TYPE,
     NodeXdsState,
     PodListener,
-    RawResource,
     build_resources,
     learn_chains,
 )
 from agent.identity.svid import Svid, spiffe_id
-from tests.test_envoy_golden import POD, VIEWS
+from tests.test_envoy_golden import POD, VIEWS, as_json, matches_golden
 
-GOLDEN = Path(__file__).parent / "golden"
 TD = "cluster.local"
 
 
@@ -62,39 +55,33 @@ DB = PodListener("uid-3", "/var/run/netns/cni-3", namespace="shop", workload="db
 TLS = mtls.MeshTls(TD, {i: _svid(i) for i in ("shop/web", "shop/api", "shop/db")}, "BUNDLE")
 
 
-def _json(msg: Message | RawResource) -> dict[str, Any]:
-    proto = msg.message() if isinstance(msg, RawResource) else msg
-    out: dict[str, Any] = MessageToDict(proto, preserving_proto_field_name=True)
-    return out
-
-
 def _cases() -> dict[str, Any]:
     res = build_resources(NodeXdsState(pods=(POD, API, DB), services=VIEWS, mesh_tls=TLS))
     lis, clusters = res[LISTENER_TYPE], res[CLUSTER_TYPE]
     plain = build_resources(NodeXdsState(pods=(POD,), services=VIEWS))
     return {
         # the outbound end of the mesh hop
-        "envoy_mtls_out_listener": _json(lis[mtls.MTLS_OUT_LISTENER]),
-        "envoy_mtls_cluster": _json(clusters[mtls.mtls_cluster_name("shop/web")]),
-        "envoy_mtls_pod_listener": _json(lis[f"capture-{POD.uid}"]),
-        "envoy_mtls_service_cluster": _json(clusters["svc|shop|api|80"]),
-        "envoy_mtls_service_endpoints": _json(res[ENDPOINT_TYPE]["svc|shop|api|80"]),
-        "envoy_mtls_secrets": {n: _json(s) for n, s in res[mtls.SECRET_TYPE].items()},
+        "envoy_mtls_out_listener": as_json(lis[mtls.MTLS_OUT_LISTENER]),
+        "envoy_mtls_cluster": as_json(clusters[mtls.mtls_cluster_name("shop/web")]),
+        "envoy_mtls_pod_listener": as_json(lis[f"capture-{POD.uid}"]),
+        "envoy_mtls_service_cluster": as_json(clusters["svc|shop|api|80"]),
+        "envoy_mtls_service_endpoints": as_json(res[ENDPOINT_TYPE]["svc|shop|api|80"]),
+        "envoy_mtls_secrets": {n: as_json(s) for n, s in res[mtls.SECRET_TYPE].items()},
         # the inbound end
-        "envoy_inbound_listener": _json(lis[mtls.inbound_listener_name(POD.uid)]),
-        "envoy_inbound_listener_authz": _json(lis[mtls.inbound_listener_name(API.uid)]),
-        "envoy_inbound_listener_http_authz": _json(lis[mtls.inbound_listener_name(DB.uid)]),
-        "envoy_inbound_detect_listener": _json(lis[mtls.INBOUND_DETECT]),
-        "envoy_inbound_detect_cluster": _json(clusters[mtls.INBOUND_DETECT]),
-        "envoy_pod_detect_listener": _json(lis[mtls.pod_detect_name(DB.uid)]),
-        "envoy_pod_detect_cluster": _json(clusters[mtls.pod_detect_name(DB.uid)]),
-        "envoy_inbound_deliver_cluster": _json(clusters[mtls.INBOUND_DELIVER_CLUSTER]),
-        "envoy_judge_listener": _json(lis[judge_listener_name(API.uid)]),
-        "envoy_judge_listener_detect": _json(lis[judge_listener_name(DB.uid)]),
+        "envoy_inbound_listener": as_json(lis[mtls.inbound_listener_name(POD.uid)]),
+        "envoy_inbound_listener_authz": as_json(lis[mtls.inbound_listener_name(API.uid)]),
+        "envoy_inbound_listener_http_authz": as_json(lis[mtls.inbound_listener_name(DB.uid)]),
+        "envoy_inbound_detect_listener": as_json(lis[mtls.INBOUND_DETECT]),
+        "envoy_inbound_detect_cluster": as_json(clusters[mtls.INBOUND_DETECT]),
+        "envoy_pod_detect_listener": as_json(lis[mtls.pod_detect_name(DB.uid)]),
+        "envoy_pod_detect_cluster": as_json(clusters[mtls.pod_detect_name(DB.uid)]),
+        "envoy_inbound_deliver_cluster": as_json(clusters[mtls.INBOUND_DELIVER_CLUSTER]),
+        "envoy_judge_listener": as_json(lis[judge_listener_name(API.uid)]),
+        "envoy_judge_listener_detect": as_json(lis[judge_listener_name(DB.uid)]),
         # the namespace tier and the Services, without identity
-        "envoy_namespace_cluster": _json(plain[CLUSTER_TYPE]["mesh-shop"]),
-        "envoy_service_endpoints": _json(plain[ENDPOINT_TYPE]["svc|shop|api|80"]),
-        "envoy_learn_chains": [_json(c) for c in learn_chains(
+        "envoy_namespace_cluster": as_json(plain[CLUSTER_TYPE]["mesh-shop"]),
+        "envoy_service_endpoints": as_json(plain[ENDPOINT_TYPE]["svc|shop|api|80"]),
+        "envoy_learn_chains": [as_json(c) for c in learn_chains(
             [("10.96.0.30", 80), ("10.96.0.30", 443)], connection_log=False)],
     }
 
@@ -106,8 +93,4 @@ def test_the_cases_name_resources_the_build_holds() -> None:
 
 @pytest.mark.parametrize("name", sorted(_cases()))
 def test_envoy_golden_split(name: str) -> None:
-    text = json.dumps(_cases()[name], indent=1, sort_keys=True) + "\n"
-    path = GOLDEN / f"{name}.json"
-    if os.environ.get("AETHER_UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text()
+    matches_golden(name, _cases()[name])

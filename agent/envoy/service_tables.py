@@ -301,7 +301,7 @@ class ServiceCache:
                         hashes = dict(hashes)
                 assignments.update((n, cla) for n, (_, cla) in entry.eds)
                 if hashes is not None:
-                    hashes.update((n, cla.digest()) for n, (_, cla) in entry.eds)
+                    hashes.update((n, resource_hash(cla)) for n, (_, cla) in entry.eds)
         rows = list(old.rows)
         chains_moved = False
         for prev, entry in swaps:
@@ -325,8 +325,7 @@ class ServiceCache:
         compute), kept with them and patched with them: a push after one Service's change
         hashes that Service's, not 10k."""
         if tables.assignment_hashes is None:
-            tables.assignment_hashes = {n: m.digest() if type(m) is RawResource
-                                        else resource_hash(m)
+            tables.assignment_hashes = {n: resource_hash(m)
                                         for n, m in tables.assignments.items()}
         return tables.assignment_hashes
 
