@@ -66,6 +66,10 @@ def run(
     envoy_hang_timeout: Annotated[float, typer.Option(help="Seconds of admin silence before a hung Envoy is killed.")] = 15.0,
     envoy_busy_timeout: Annotated[float, typer.Option(help="Seconds of admin silence tolerated while Envoy's main thread keeps working (applying a big config push) before it counts as hung.")] = 180.0,
     mesh_domain: Annotated[str, typer.Option(help="Mesh name suffix: <svc>.<ns>.<mesh-domain>.")] = "aether.internal",
+    dns_capture: Annotated[bool, typer.Option("--dns-capture/--no-dns-capture", help="Capture every captured pod's DNS (UDP and TCP to port 53): mesh names (<svc>.<ns>.<mesh-domain>) are answered on the node, every other query is forwarded unchanged to the resolver the pod asked, from the pod's netns. A pod opts out with the annotation capture.aether.io/dns: \"false\".")] = True,
+    dns_port: Annotated[int, typer.Option(help="Where a pod's captured DNS is served, on the loopback of its netns.")] = 15053,
+    dns_timeout: Annotated[float, typer.Option(help="Seconds a forwarded DNS query waits for its resolver.")] = 5.0,
+    dns_max_inflight: Annotated[int, typer.Option(help="Forwarded DNS queries in flight per pod; past it a query gets SERVFAIL at once.")] = 64,
     trust_domain: Annotated[str, typer.Option(help="SPIFFE trust domain of endpoint identities.")] = "cluster.local",
     root_namespace: Annotated[str, typer.Option(help="An AuthorizationPolicy in this namespace applies mesh-wide (Istio's root namespace).")] = "aether-system",
     identity_ca_dir: Annotated[str | None, typer.Option(help="Mesh mTLS with SVIDs this agent signs with DIR/ca.crt + DIR/ca.key (standalone nodes, the demo, tests; not for production clusters). Without an identity provider the mesh hop is plaintext.")] = None,
@@ -136,7 +140,7 @@ def run(
         passthrough_mark=_int(passthrough_mark), passthrough_mark_mask=_int(passthrough_mark_mask),
         system_namespaces=systems, agent_namespace=agent_namespace,
         proxy_cgroup=proxy.nft_path if proxy.ok else None, proxy_cgroup_level=proxy.level,
-        proxy_cgroup_problem=proxy.problem,
+        proxy_cgroup_problem=proxy.problem, dns_capture=dns_capture, dns_port=dns_port,
     )
     if peer is not None and proxy.ok:
         node.peer_proxy.set(peer.cgroup_for_rules())
@@ -196,6 +200,17 @@ def run(
                          traffic_source_pods=traffic_source_pods,
                          slot=slot)
         sink.hold_until_services = peer is not None
+    if dns_capture:
+        if not 1 <= dns_port <= 65535 or dns_timeout <= 0 or dns_max_inflight < 1:
+            raise typer.BadParameter("DNS flags: a port 1-65535, a timeout > 0, in-flight ≥ 1")
+        from agent.cni.listener_sink import NullSink
+        from agent.dns.process import DnsProcess, DnsSettings
+        from agent.dns.sink import DnsSink
+        dns = DnsProcess(DnsSettings(mesh_domain=mesh_domain, port=dns_port,
+                                     mark=_int(passthrough_mark), timeout=dns_timeout,
+                                     max_inflight=dns_max_inflight),
+                         cgroup=proxy.directory if proxy.ok else None)
+        sink = DnsSink(sink if sink is not None else NullSink(), dns)  # type: ignore[assignment]
     if scope not in ("deps", "all"):
         raise typer.BadParameter("--scope must be 'deps' or 'all'")
     if envoy_on_exit not in ("auto", "stop", "keep"):

@@ -18,6 +18,8 @@ MANAGED_LABEL = "aether.io/managed"
 ANN_REDIRECT_ALL = "capture.aether.io/redirect-all"
 ANN_EXCLUDE_PORTS = "capture.aether.io/exclude-outbound-ports"
 ANN_EXCLUDE_RANGES = "capture.aether.io/exclude-outbound-ip-ranges"
+# DNS capture (#42): on where the node has it, unless the pod says "false"
+ANN_DNS = "capture.aether.io/dns"
 # Peer authentication (#16): on the pod, else on its namespace, else permissive.
 ANN_PEER_AUTH = "security.aether.io/peer-authentication"
 PEER_AUTH_MODES = ("permissive", "strict")
@@ -75,6 +77,10 @@ class CapturePolicy:
     judge_port: int = 15006
     node_sources_v4: tuple[str, ...] = ()
     node_sources_v6: tuple[str, ...] = ()
+    # DNS capture: UDP and TCP to port 53 (but to the pod's own addresses) go to the pod's
+    # DNS on ``dns_port`` of its loopback (agent/dns/)
+    dns_capture: bool = False
+    dns_port: int = 15053
 
     @property
     def mode(self) -> str:
@@ -102,6 +108,8 @@ class CapturePolicy:
             **({"node_sources_v4": list(self.node_sources_v4),
                 "node_sources_v6": list(self.node_sources_v6)}
                if self.strict or self.judged else {}),
+            # only when on: a policy without it keeps the hash it had before DNS capture
+            **({"dns_capture": True, "dns_port": self.dns_port} if self.dns_capture else {}),
         }
 
     @classmethod
@@ -129,6 +137,8 @@ class CapturePolicy:
             judge_port=int(str(data.get("judge_port") or 15006)),
             node_sources_v4=tuple(str(x) for x in data.get("node_sources_v4") or []),  # type: ignore[attr-defined]
             node_sources_v6=tuple(str(x) for x in data.get("node_sources_v6") or []),  # type: ignore[attr-defined]
+            dns_capture=bool(data.get("dns_capture", False)),
+            dns_port=int(str(data.get("dns_port") or 15053)),
         )
 
 
@@ -282,6 +292,14 @@ def decide(
     ports, port_problems = parse_ports(ann.get(ANN_EXCLUDE_PORTS, ""))
     v4, v6, cidr_problems = parse_cidrs(ann.get(ANN_EXCLUDE_RANGES, ""))
     problems += port_problems + cidr_problems
+    dns = node.dns_capture
+    if node.dns_capture and ANN_DNS in ann:
+        parsed_dns = parse_bool(ann[ANN_DNS])
+        if parsed_dns is None:
+            problems.append(AnnotationProblem(
+                ANN_DNS, ann[ANN_DNS], "expected \"true\" or \"false\"; DNS stays captured"))
+        else:
+            dns = parsed_dns
     policy = CapturePolicy(
         redirect_all=redirect_all,
         capture_port=node.capture_port,
@@ -300,6 +318,8 @@ def decide(
         judge_port=node.judge_port if judged else CapturePolicy.judge_port,
         node_sources_v4=tuple(a for a in node.node_addresses if ":" not in a) if exempt else (),
         node_sources_v6=tuple(a for a in node.node_addresses if ":" in a) if exempt else (),
+        dns_capture=dns,
+        dns_port=node.dns_port if dns else CapturePolicy.dns_port,
     )
     return CaptureDecision(True, why, policy, tuple(problems))
 

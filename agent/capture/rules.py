@@ -3,7 +3,8 @@
 Pure: policy in, text out. The script is one libnftables transaction that creates, deletes
 and re-creates the aether table, so applying it twice is the same as applying it once and a
 pod is never left with half a table. Rule order is the contract:
-proxy RETURN (mark and proxy cgroup) → local/builtin RETURNs → annotated RETURNs → redirect.
+proxy RETURN (mark and proxy cgroup) → local RETURN → DNS capture → builtin RETURNs →
+annotated RETURNs → redirect.
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def render_rules(policy: CapturePolicy) -> list[str]:
         rules.append(f'{mark} socket cgroupv2 level {policy.peer_cgroup_level} '
                      f'{_quote(policy.peer_cgroup)} return comment '
                      '"proxy upstream of the agent being replaced (mark + its cgroup)"')
+    rules.append('fib daddr type local return comment "local destination"')
+    if policy.dns_capture:
+        # any resolver but the pod's own addresses (loopback included, matched above), even
+        # link-local ones (NodeLocal DNSCache): the pod's DNS answers mesh names and forwards
+        # the rest from this netns, through the proxy RETURN
+        rules += [
+            f'udp dport 53 redirect to :{policy.dns_port} comment "dns capture"',
+            f'tcp dport 53 tcp flags & (syn | ack) == syn redirect to :{policy.dns_port} '
+            'comment "dns capture"',
+        ]
     rules += [
-        'fib daddr type local return comment "local destination"',
         f'ip daddr {_set(list(BUILTIN_EXCLUDED_V4))} return comment "loopback, link-local, multicast"',
         f'ip6 daddr {_set(list(BUILTIN_EXCLUDED_V6))} return comment "loopback, link-local, multicast"',
     ]

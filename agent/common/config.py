@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 CAPTURE_PORT = 15001
 MESH_PORT = 18081
+#: Where a captured pod's DNS (UDP and TCP to port 53) is redirected: the pod DNS's sockets
+#: on the loopback of the pod's netns (agent/dns/).
+DNS_PORT = 15053
 # Where a pod selected by an AuthorizationPolicy has its plaintext inbound judged (#41)
 JUDGE_PORT = 15006
 PASSTHROUGH_MARK = 0xAE
@@ -89,6 +92,9 @@ class NodeConfig:
     # Where the proxy judges the plaintext inbound of pods an AuthorizationPolicy selects
     judge_port: int = JUDGE_PORT
     authz: AuthzSelection = field(default_factory=AuthzSelection, compare=False, hash=False)
+    # DNS capture (#42): the node default (a pod annotation opts out) and the port
+    dns_capture: bool = False
+    dns_port: int = DNS_PORT
 
     @property
     def cni_socket(self) -> str:

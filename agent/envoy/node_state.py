@@ -46,3 +46,6 @@ class NodeXdsState:
     # Golden metrics: Service and HTTP chains count every connection and request in Envoy's
     # stats (agent.envoy.golden); off: nothing counted per connection or request.
     traffic_metrics: bool = True
+    # The single mesh port (proposal 022): each in-scope Service's HTTP port is also served
+    # on ClusterIP:mesh_port (``<svc>.<ns>.<meshDomain>:18081``). None: not served.
+    mesh_port: int | None = None

@@ -250,9 +250,15 @@ class ResourceBuilder:
 
     def build(self, state: NodeXdsState) -> dict[str, dict[str, Any]]:
         """type_url -> {resource name: proto}; ordered by name so output is deterministic."""
-        if state.gamma is not self._gamma:
+        moved = state.mesh_port != self._services.mesh_port
+        if moved:  # the detected ports below depend on it
+            self._services.mesh_port = state.mesh_port
+        if moved or state.gamma is not self._gamma:
             self._gamma = state.gamma
             self._detect = detect_ports(state.gamma, state.services)
+            if self._detect and self._services.mesh_port is not None:
+                # the mesh port stands for HTTP ports, some of which are detected
+                self._detect = tuple(sorted({*self._detect, self._services.mesh_port}))
         opts = (state.connect_timeout_s, state.passthrough_mark, state.mesh_tls is not None,
                 state.resilience, TrafficLogs(state.traffic_metrics, state.connection_log))
         tables = self._services.tables(state.services, opts, state.gamma)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 from envoy.config.listener.v3 import listener_components_pb2
@@ -47,6 +47,38 @@ def _as_chains(result: ChainResult) -> tuple[listener_components_pb2.FilterChain
     if isinstance(result, listener_components_pb2.FilterChain):
         return (result,)
     return tuple(result)
+
+
+MESH_PORT_ALIAS = "aether-mesh-port"
+
+
+def mesh_http_port(ports: Sequence[ServicePort]) -> ServicePort | None:
+    """The Service port the mesh port stands for: the one named ``http``, else the only one."""
+    named = [p for p in ports if p.name == "http"]
+    if named:
+        return named[0]
+    return ports[0] if len(ports) == 1 else None
+
+
+def mesh_port_alias(view: ServiceView, tcp_ports: Sequence[ServicePort],
+                    mesh_port: int | None) -> ServicePort | None:
+    """The row that makes ClusterIP:mesh_port the Service's HTTP port, or None (no such
+    port, or the Service has a port of that number of its own, which wins)."""
+    if mesh_port is None or any(p.port == mesh_port for p in tcp_ports):
+        return None
+    http = mesh_http_port(tcp_ports)
+    if http is None:
+        return None
+    return replace(http, name=MESH_PORT_ALIAS, port=mesh_port)
+
+
+def _real_port(view: ServiceView, port: ServicePort) -> ServicePort:
+    if port.name != MESH_PORT_ALIAS:
+        return port
+    tcp = [p for p in view.ports if p.protocol.upper() == "TCP"]
+    real = mesh_http_port(tcp)
+    assert real is not None, "an alias row exists only for a Service with an HTTP port"
+    return real
 
 
 @dataclass
@@ -105,8 +137,11 @@ class ServiceCache:
     builds a Service port's chain(s) (``service_chains.chain_for``, passed in by the
     builder)."""
 
-    def __init__(self, chain_for: ChainFor) -> None:
+    def __init__(self, chain_for: ChainFor, mesh_port: int | None = None) -> None:
         self._chain_for = chain_for
+        #: the single mesh port (proposal 022): ClusterIP:mesh_port is the Service's HTTP
+        #: port, for the explicit ``<svc>.<ns>.<meshDomain>:18081`` name; None: no alias
+        self.mesh_port = mesh_port
         self._services: dict[str, ServiceEntry] = {}
         self._tables: ServiceTables | None = None
         self._gamma: GammaResult | None = None
@@ -122,8 +157,9 @@ class ServiceCache:
             return self._headless(view, timeout)
         tcp_ports = tuple(p for p in view.ports if p.protocol.upper() == "TCP")
         attempts, logs = timeout[3].connect_attempts, timeout[4]
+        alias = mesh_port_alias(view, tcp_ports, self.mesh_port)
         chain_key = (view.namespace, view.name, view.cluster_ips, tcp_ports, view.traffic,
-                     attempts, logs, sig)
+                     attempts, logs, alias, sig)
         per_caller: dict[str, dict[int, bytes]] = {}
         if old is not None and old.chain_key == chain_key and not old.per_caller \
                 and all(c is not None for _, _, c in old.ports):
@@ -131,11 +167,11 @@ class ServiceCache:
         else:
             cidrs = [c for c in map(_cidr, view.cluster_ips) if c is not None]
             rows = []
-            for p in tcp_ports if cidrs else ():
+            for p in (*tcp_ports, *((alias,) if alias else ())) if cidrs else ():
                 claims = tuple((c.address_prefix, p.port) for c in cidrs)
-                shared = (None if chain_varies_by_caller(view, p, self._gamma)
-                          else encode_chains(_as_chains(self._chain_for(
-                              view, p, None, self._gamma, attempts, logs))))
+                real = _real_port(view, p)
+                shared = (None if chain_varies_by_caller(view, real, self._gamma)
+                          else encode_chains(self._chains(view, p, None, attempts, logs)))
                 rows.append((p, claims, shared))
             ports = tuple(rows)
         cluster_key = (view.namespace, view.name,
@@ -159,6 +195,23 @@ class ServiceCache:
                              per_caller)
         self._services[view.key] = entry
         return entry
+
+    def _chains(self, view: ServiceView, port: ServicePort, ns: str | None, attempts: int,
+                logs: TrafficLogs | None) -> tuple[listener_components_pb2.FilterChain, ...]:
+        """A row's chains: the Service port's, or for the mesh-port alias its HTTP port's
+        matched on the mesh port instead (the same routes, clusters and identity)."""
+        real = _real_port(view, port)
+        chains = _as_chains(self._chain_for(view, real, ns, self._gamma, attempts, logs))
+        if real is port:
+            return chains
+        out = []
+        for c in chains:
+            moved = listener_components_pb2.FilterChain()
+            moved.CopyFrom(c)
+            moved.name = f"{c.name}|mesh-port"
+            moved.filter_chain_match.destination_port.value = port.port
+            out.append(moved)
+        return tuple(out)
 
     def _headless(self, view: ServiceView, timeout: ServiceOptions) -> ServiceEntry:
         """A headless Service: clients dial its pods' addresses (from DNS) on the target
@@ -341,9 +394,9 @@ class ServiceCache:
                 got = mine.get(port.port)
                 if got is None:
                     got = mine[port.port] = encode_chains(
-                        _as_chains(self._chain_for(entry.view, port, ns, self._gamma,
-                                                   entry.cluster_key[-1][3].connect_attempts,
-                                                   entry.cluster_key[-1][4])))
+                        self._chains(entry.view, port, ns,
+                                     entry.cluster_key[-1][3].connect_attempts,
+                                     entry.cluster_key[-1][4]))
                 chains = got
             out.append(chains)
         table = b"".join(out)

@@ -84,7 +84,8 @@ class SharedPublish:
                              connection_log=self.access_log, learn_targets=self._learnable,
                              mesh_tls=self.identity.mesh_tls() if self.identity else None,
                              resilience=self.resilience,
-                             traffic_metrics=self.traffic_metrics)
+                             traffic_metrics=self.traffic_metrics,
+                             mesh_port=self.node.mesh_port)
         return self.xds.set_state(state)
 
     def _publish_shared(self, container_id: str, listener: PodListener,

@@ -107,6 +107,22 @@ def takeover_lines(t: dict[str, Any]) -> list[str]:
     return [line]
 
 
+def dns_lines(dns: dict[str, Any] | None) -> list[str]:
+    """The pod DNS in one line: up or not, pods served, and what it did with the queries."""
+    if not dns:
+        return ["  pod DNS: not captured (--no-dns-capture)"]
+    if not dns.get("up"):
+        return [f"  pod DNS: DOWN ({dns.get('error')}) · {dns.get('served', 0)} pods to serve"]
+    totals: dict[str, int] = {}
+    for counts in (dns.get("pods") or {}).values():
+        for k, v in counts.items():
+            if k != "inflight":
+                totals[k] = totals.get(k, 0) + int(v)
+    what = ", ".join(f"{k} {v}" for k, v in sorted(totals.items())) or "no queries yet"
+    return [f"  pod DNS: pid {dns.get('pid')} · port {dns.get('port')} · "
+            f"{dns.get('served', 0)} pods · {what}"]
+
+
 def render(st: dict[str, Any]) -> str:
     pods = st.get("pods", [])
     state = "DEGRADED" if st.get("degraded") else "healthy"
@@ -120,6 +136,7 @@ def render(st: dict[str, Any]) -> str:
         lines.append(f"  capture integrity: proxy RETURN by {integrity.get('proxy_match')}"
                      + (f" · DEGRADED: {integrity['problem']}" if integrity.get("problem") else ""))
     lines.extend(takeover_lines(st.get("takeover") or {}))
+    lines.extend(dns_lines(st.get("dns")))
     envoy = st.get("envoy")
     if envoy:
         lines.append(

@@ -268,6 +268,9 @@ class Agent:
                                 scope_all=o.scope_all, learn_ttl=o.learn_ttl,
                                 controller_name=o.gamma_controller_name,
                                 root_namespace=o.root_namespace)
+        dns = getattr(self.sink, "dns", None)
+        if dns is not None:  # the pod DNS asks the mesh model for mesh names
+            dns.lookup = self.mesh.name_lookup
         watcher: Any = None
         if o.manifests:
             from agent.source.cached import CachedSource

@@ -22,7 +22,7 @@ from agent.authz.policy import DEFAULT_ROOT_NAMESPACE, Policy
 from agent.authz.policy import KIND as AUTHZ_KIND
 from agent.cni.state import CapturedPod
 from agent.common.config import NodeConfig
-from agent.common.ids import pod_key
+from agent.common.ids import pod_key, service_key
 from agent.gamma.conditions import ParentStatus, adopt_records
 from agent.gamma.ownership import owns
 from agent.scope.model import REMOTE_POD_KIND, MeshModel, ServiceView
@@ -241,6 +241,17 @@ class MeshRuntime:
                 self._reg_queue.popleft()
             if changed:
                 self._changed()
+
+    def name_lookup(self, kind: str, namespace: str, name: str) -> tuple[str, ...] | None:
+        """The pod DNS's question (agent.dns): a Service's ClusterIPs (() when headless),
+        None when the mesh knows no such Service. Called from the DNS channel's thread:
+        one read of the catalog's dict, whose Services are immutable."""
+        if kind != "service":
+            return None
+        svc = self.model.services.get(service_key(namespace, name))
+        if svc is None:
+            return None
+        return () if svc.headless else svc.cluster_ips
 
     def learned(self, dst_ip: str, dst_port: int) -> None:
         """The passthrough saw a pod dial dst: an in-mesh Service joins the set (TTL)."""

@@ -180,7 +180,11 @@ def status(agent: StatusHost) -> dict[str, Any]:
     extra = getattr(agent.sink, "status", None)
     if callable(extra):
         out["envoy"] = extra()
-    out["degraded"] = bool(agent.node.proxy_cgroup_problem) or any(
+    dns = getattr(agent.sink, "dns", None)
+    if dns is not None:
+        out["dns"] = {"port": agent.node.dns_port, **dns.stats()}
+    out["degraded"] = bool(agent.node.proxy_cgroup_problem) or bool(
+        dns is not None and dns.serving_any() and not out["dns"].get("up")) or any(
         p["rules"] != "ok" or p["listener"] not in ("live", NO_PROXY) for p in pods) or bool(
         out.get("envoy", {}).get("degraded")
     )

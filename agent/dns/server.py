@@ -1,0 +1,436 @@
+"""The pod's DNS: the process that answers captured DNS in every pod netns of the node.
+
+It runs apart from the agent, in the proxy's cgroup (started by ``agent.dns.process``), for
+two reasons: its upstream sockets must be the proxy's to pass the pods' capture rules (the
+mark and the cgroup, agent/netns/cgroup.py), and its sockets (a few per pod) must not crowd
+the agent's descriptors, where libnftables' select() aborts past 1024.
+
+Per pod it holds a UDP and a TCP socket on the loopback of the pod's netns (127.0.0.1 and
+::1, port ``dns_port``), where the capture rule redirects the pod's port-53 traffic. A mesh
+name is answered here (``agent.dns.names``, the Service looked up in the agent); every
+other query goes unchanged to the server the pod asked, from the pod's netns, and its answer
+comes back unchanged. Bounded: at most ``max_inflight`` forwarded queries per pod, each
+``timeout`` at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.dns import wire
+from agent.dns.conntrack import Conntrack, NoEntry
+from agent.dns.names import Verdict, decide, wanted
+from agent.netns.enter import _setns
+
+log = logging.getLogger("aether.dns")
+
+SO_MARK = 36
+SO_ORIGINAL_DST = 80
+_CONTROL_MAX = 65536
+TCP_IDLE_S = 10.0
+
+
+@dataclass
+class PodDns:
+    """One pod's DNS sockets and counters."""
+
+    container_id: str
+    key: str
+    netns_fd: int
+    udp: list[socket.socket] = field(default_factory=list)
+    tcp: list[socket.socket] = field(default_factory=list)
+    servers: list[asyncio.base_events.Server] = field(default_factory=list)
+    conntrack: Conntrack | None = None
+    inflight: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.close()
+        for s in self.udp + self.tcp:
+            s.close()
+        if self.conntrack is not None:
+            self.conntrack.close()
+        os.close(self.netns_fd)
+
+
+class DnsServer:
+    """The event loop side. ``lookup`` asks the agent for a name's addresses."""
+
+    def __init__(self, mesh_domain: str, port: int, mark: int, timeout: float,
+                 max_inflight: int, lookup: Callable[[str, str, str], Any]) -> None:
+        self.mesh_domain = mesh_domain
+        self.port = port
+        self.mark = mark
+        self.timeout = timeout
+        self.max_inflight = max_inflight
+        self.lookup = lookup  # async (kind, namespace, name) -> tuple | None
+        self.pods: dict[str, PodDns] = {}
+        self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    # ---- sockets in the pod's netns -------------------------------------------------
+    def _in_netns(self, fd: int, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` with this (single) thread in the pod's netns, then come home."""
+        _setns(fd)
+        try:
+            return fn()
+        finally:
+            _setns(self._home)
+
+    def _listen(self) -> tuple[list[socket.socket], list[socket.socket], Conntrack]:
+        udp: list[socket.socket] = []
+        tcp: list[socket.socket] = []
+        try:
+            for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                try:
+                    u = socket.socket(family, socket.SOCK_DGRAM)
+                    if family == socket.AF_INET6:
+                        u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    u.bind((host, self.port))
+                except OSError as e:
+                    u.close()
+                    if family == socket.AF_INET6 and e.errno in (errno.EADDRNOTAVAIL,
+                                                                 errno.EAFNOSUPPORT):
+                        continue  # no IPv6 loopback in this pod: nothing is redirected there
+                    raise
+                udp.append(u)
+                t = socket.socket(family, socket.SOCK_STREAM)
+                tcp.append(t)
+                if family == socket.AF_INET6:
+                    t.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                t.bind((host, self.port))
+                t.listen(128)
+            return udp, tcp, Conntrack()
+        except BaseException:
+            for s in udp + tcp:
+                s.close()
+            raise
+
+    def _upstream(self, pod: PodDns, family: int, kind: int) -> socket.socket:
+        def make() -> socket.socket:
+            s = socket.socket(family, kind)
+            s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+            s.setblocking(False)
+            return s
+        made: socket.socket = self._in_netns(pod.netns_fd, make)
+        return made
+
+    async def serve(self, container_id: str, key: str, netns_fd: int) -> None:
+        old = self.pods.pop(container_id, None)
+        if old is not None:
+            self._drop(old)
+        pod = PodDns(container_id, key, netns_fd)
+        try:
+            pod.udp, pod.tcp, pod.conntrack = self._in_netns(netns_fd, self._listen)
+        except BaseException:
+            pod.close()
+            raise
+        loop = asyncio.get_running_loop()
+        for u in pod.udp:
+            u.setblocking(False)
+            loop.add_reader(u.fileno(), self._on_udp, pod, u)
+        for t in pod.tcp:
+            t.setblocking(False)
+            pod.servers.append(await asyncio.start_server(self._tcp_handler(pod), sock=t))
+        self.pods[container_id] = pod
+
+    def _tcp_handler(self, pod: PodDns) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                                     Coroutine[Any, Any, None]]:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await self._on_tcp(pod, r, w)
+        return handle
+
+    def _drop(self, pod: PodDns) -> None:
+        loop = asyncio.get_running_loop()
+        for u in pod.udp:
+            loop.remove_reader(u.fileno())
+        pod.close()
+
+    def stop(self, container_id: str) -> bool:
+        pod = self.pods.pop(container_id, None)
+        if pod is None:
+            return False
+        self._drop(pod)
+        return True
+
+    # ---- answering -----------------------------------------------------------------
+    async def _verdict(self, q: wire.Question) -> Verdict:
+        want = wanted(q.name, self.mesh_domain)
+        found = await self.lookup(*want) if want is not None else None
+        return decide(q.name, q.qtype, q.qclass, self.mesh_domain,
+                      lambda _ns, _n: found, lambda _ns, _n: found)
+
+    def _on_udp(self, pod: PodDns, sock: socket.socket) -> None:
+        for _ in range(64):  # a burst, then let the loop breathe
+            try:
+                data, peer = sock.recvfrom(65535)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                pod.counts["errors"] += 1
+                return
+            asyncio.ensure_future(self._udp_query(pod, sock, data, peer))
+
+    async def _udp_query(self, pod: PodDns, sock: socket.socket, data: bytes,
+                         peer: tuple[Any, ...]) -> None:
+        try:
+            q = wire.parse_query(data)
+        except wire.MalformedQuery:
+            q = None
+        if q is not None:
+            try:
+                verdict = await self._verdict(q)
+            except Exception:  # noqa: BLE001 - the agent did not answer: the pod retries
+                pod.counts["servfail"] += 1
+                _send(sock, wire.response(q, wire.RCODE_SERVFAIL, authoritative=False), peer)
+                return
+            if not verdict.forward:
+                pod.counts[verdict.kind] += 1
+                _send(sock, wire.response(q, verdict.rcode, verdict.addresses), peer)
+                return
+        # forwarded unchanged, even what this server cannot read: it is the pod's business
+        # with its resolver
+        assert pod.conntrack is not None
+        try:
+            local = sock.getsockname()
+            dst = pod.conntrack.original_dst((local[0], local[1]), (peer[0], peer[1]))
+        except (NoEntry, OSError) as e:
+            pod.counts["no_original_dst"] += 1
+            log.debug("%s: no original destination for a query from %s: %s", pod.key, peer, e)
+            return
+        if dst[1] == self.port and dst[0] in ("127.0.0.1", "::1"):
+            return  # asked this server directly: nothing to forward to
+        if pod.inflight >= self.max_inflight:
+            pod.counts["over_limit"] += 1
+            reply = wire.error_for(data, wire.RCODE_SERVFAIL)
+            if reply is not None:
+                _send(sock, reply, peer)
+            return
+        pod.inflight += 1
+        up: socket.socket | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            family = socket.AF_INET6 if ":" in dst[0] else socket.AF_INET
+            up = self._upstream(pod, family, socket.SOCK_DGRAM)
+            await loop.sock_connect(up, dst)
+            await loop.sock_sendall(up, data)
+            want = wire.query_id(data)
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    answer = await loop.sock_recv(up, 65535)
+                    if wire.query_id(answer) == want:
+                        break
+            pod.counts["forwarded"] += 1
+            _send(sock, answer, peer)
+        except TimeoutError:
+            pod.counts["upstream_timeouts"] += 1
+        except OSError as e:
+            pod.counts["upstream_errors"] += 1
+            log.debug("%s: forwarding to %s: %s", pod.key, dst, e)
+        finally:
+            pod.inflight -= 1
+            if up is not None:
+                up.close()
+
+    async def _on_tcp(self, pod: PodDns, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            sock = writer.get_extra_info("socket")
+            dst = _original_dst(sock)
+            while True:
+                try:
+                    async with asyncio.timeout(TCP_IDLE_S):
+                        size = struct.unpack("!H", await reader.readexactly(2))[0]
+                        data = await reader.readexactly(size)
+                except (TimeoutError, asyncio.IncompleteReadError):
+                    return
+                try:
+                    q: wire.Question | None = wire.parse_query(data)
+                except wire.MalformedQuery:
+                    q = None
+                if q is not None:
+                    verdict = await self._verdict(q)
+                    if not verdict.forward:
+                        pod.counts[verdict.kind] += 1
+                        writer.write(wire.tcp_frame(
+                            wire.response(q, verdict.rcode, verdict.addresses, udp=False)))
+                        await writer.drain()
+                        continue
+                if dst is None or (dst[1] == self.port and dst[0] in ("127.0.0.1", "::1")):
+                    pod.counts["no_original_dst"] += 1
+                    return
+                if pod.inflight >= self.max_inflight:
+                    pod.counts["over_limit"] += 1
+                    return
+                pod.inflight += 1
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        if up is None:
+                            up = await self._tcp_upstream(pod, dst)
+                        up[1].write(wire.tcp_frame(data))
+                        await up[1].drain()
+                        n = struct.unpack("!H", await up[0].readexactly(2))[0]
+                        answer = await up[0].readexactly(n)
+                except TimeoutError:
+                    pod.counts["upstream_timeouts"] += 1
+                    return
+                except (OSError, asyncio.IncompleteReadError) as e:
+                    pod.counts["upstream_errors"] += 1
+                    log.debug("%s: forwarding over TCP to %s: %s", pod.key, dst, e)
+                    return
+                finally:
+                    pod.inflight -= 1
+                pod.counts["forwarded"] += 1
+                writer.write(wire.tcp_frame(answer))
+                await writer.drain()
+        except Exception:  # noqa: BLE001 - one connection's trouble is its own
+            pod.counts["errors"] += 1
+            log.exception("%s: DNS over TCP", pod.key)
+        finally:
+            if up is not None:
+                up[1].close()
+            writer.close()
+
+    async def _tcp_upstream(self, pod: PodDns, dst: tuple[str, int]
+                            ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        family = socket.AF_INET6 if ":" in dst[0] else socket.AF_INET
+        s = self._upstream(pod, family, socket.SOCK_STREAM)
+        try:
+            await asyncio.get_running_loop().sock_connect(s, dst)
+        except BaseException:
+            s.close()
+            raise
+        return await asyncio.open_connection(sock=s)
+
+    def stats(self) -> dict[str, Any]:
+        return {"pods": {p.key: dict(p.counts) | {"inflight": p.inflight}
+                         for p in self.pods.values()}}
+
+
+def _send(sock: socket.socket, data: bytes, peer: Any) -> None:
+    with contextlib.suppress(OSError):  # a full buffer or a gone client: a lost datagram
+        sock.sendto(data, peer)
+
+
+def _original_dst(sock: socket.socket) -> tuple[str, int] | None:
+    """SO_ORIGINAL_DST of a redirected TCP connection (IPv4 or IPv6)."""
+    try:
+        if sock.family == socket.AF_INET6:
+            raw = sock.getsockopt(socket.IPPROTO_IPV6, SO_ORIGINAL_DST, 28)
+            port = struct.unpack_from("!H", raw, 2)[0]
+            return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port = struct.unpack_from("!H", raw, 2)[0]
+        return socket.inet_ntoa(raw[4:8]), port
+    except OSError:
+        return None
+
+
+# ---- the process: a control channel to the agent -----------------------------------
+class Control:
+    """The channel to the agent (SOCK_SEQPACKET, one JSON message each; a serve carries the
+    pod's netns fd). The agent asks: serve, stop, stats; this side asks: lookup."""
+
+    def __init__(self, chan: socket.socket, server_args: dict[str, Any]) -> None:
+        self.chan = chan
+        self.chan.setblocking(False)
+        self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.seq = 0
+        self.server = DnsServer(lookup=self.lookup, **server_args)
+        self.done = asyncio.Event()
+
+    async def lookup(self, kind: str, ns: str, name: str) -> Any:
+        self.seq += 1
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting[self.seq] = fut
+        self._send({"op": "lookup", "seq": self.seq, "kind": kind, "ns": ns, "name": name})
+        try:
+            async with asyncio.timeout(2.0):
+                got = await fut
+        finally:
+            self.waiting.pop(self.seq, None)
+        return None if got is None else tuple(got)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self.chan.send(json.dumps(msg).encode())
+        except BlockingIOError:
+            self.chan.setblocking(True)
+            try:
+                self.chan.send(json.dumps(msg).encode())
+            finally:
+                self.chan.setblocking(False)
+
+    def on_readable(self) -> None:
+        while True:
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self.chan, _CONTROL_MAX, 4)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.done.set()
+                return
+            if not msg:
+                self.done.set()  # the agent is gone: so is its pods' DNS
+                return
+            asyncio.ensure_future(self._handle(json.loads(msg), fds))
+
+    async def _handle(self, msg: dict[str, Any], fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "answer":
+            fut = self.waiting.get(int(msg["seq"]))
+            if fut is not None and not fut.done():
+                fut.set_result(msg.get("ips"))
+            return
+        reply: dict[str, Any] = {"seq": msg.get("seq"), "ok": True}
+        try:
+            if op == "serve":
+                if len(fds) != 1:
+                    raise OSError("serve without the pod's netns")
+                await self.server.serve(str(msg["id"]), str(msg["pod"]), fds.pop())
+            elif op == "stop":
+                reply["stopped"] = self.server.stop(str(msg["id"]))
+            elif op == "stats":
+                reply["stats"] = self.server.stats()
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except (OSError, ValueError, KeyError) as e:
+            reply = {"seq": msg.get("seq"), "ok": False, "error": str(e)}
+        finally:
+            for f in fds:
+                os.close(f)
+        self._send(reply)
+
+
+async def _main(fd: int, args: dict[str, Any]) -> None:
+    chan = socket.socket(fileno=fd)
+    control = Control(chan, args)
+    asyncio.get_running_loop().add_reader(chan.fileno(), control.on_readable)
+    await control.done.wait()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m agent.dns.server <cgroup dir or ''> <channel fd> <json settings>``"""
+    if argv[0]:
+        with open(os.path.join(argv[0], "cgroup.procs"), "w") as f:
+            f.write("0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="aether-dns %(levelname)s %(message)s")
+    asyncio.run(_main(int(argv[1]), json.loads(argv[2])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

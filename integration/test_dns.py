@@ -1,0 +1,180 @@
+"""DNS capture (#42) end to end: the real agent, its pod DNS process and Envoy, pods made by
+the reference CNI plugins, and a cluster DNS of our own in a pod of its own.
+
+A captured pod's port-53 traffic is redirected to the pod DNS in its netns: mesh names
+(``<svc>.<ns>.aether.internal``) are answered there and the cluster DNS never sees them;
+every other query reaches the resolver the pod asked, from the pod's own address, and its
+answer comes back byte for byte (NXDOMAIN and truncation included; TCP too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.dns import wire
+from agent.identity.ca_dir import make_ca
+from agent.netns.nft import list_table_text
+from agent.testing.dns_double import ClusterDns, addresses, ask
+from agent.testing.kubelet import Pod
+from agent.testing.netutil import http_echo_server, http_get_from
+from integration.conftest import EnvoyNode, running, until
+
+pytestmark = [pytest.mark.integration]
+
+SVC_IP = "10.96.71.10"
+TD = "cluster.local"
+MESH_NAME = "echo.app.aether.internal"
+
+
+@pytest.fixture
+def dnode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
+    ca = os.path.join(workdir, "ca")
+    make_ca(ca, TD)
+    with running(EnvoyNode(workdir, bridge_name, extra=[
+            "--identity-ca-dir", ca, "--trust-domain", TD])) as n:
+        yield n
+
+
+@pytest.fixture
+def cluster_dns(dnode: EnvoyNode) -> Iterator[tuple[ClusterDns, str]]:
+    """The cluster DNS: an uncaptured pod (namespace ``plain``) serving port 53."""
+    pod = dnode.pod(namespace="plain", name="coredns")
+    dnode.add(pod)
+    dns = ClusterDns(pod.netns, records={"known.app.svc.cluster.local": ("10.96.99.99",),
+                                         "big.app.svc.cluster.local": ("10.96.99.98",)},
+                     truncate={"big.app.svc.cluster.local"}).start()
+    yield dns, pod.ip()
+    dns.close()
+
+
+def _echo(node: EnvoyNode, client_annotations: dict[str, str] | None = None
+          ) -> tuple[Pod, Pod, Any]:
+    node.agent.write("svc-echo.yaml", [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo", "namespace": "app"},
+        "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "echo"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
+    node.agent.write("route-echo.yaml", [{
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": "echo-tag", "namespace": "app"},
+        "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "echo", "port": 80}],
+                 "rules": [{"filters": [{"type": "RequestHeaderModifier",
+                                         "requestHeaderModifier": {
+                                             "add": [{"name": "x-route", "value": "echo-tag"}]}}],
+                            "backendRefs": [{"name": "echo", "port": 80}]}]}}])
+    server = node.pod(name="server", labels={"app": "echo"}, service_account="server")
+    client = node.pod(name="client", service_account="client",
+                      annotations={"aether.io/dependencies": "app/echo",
+                                   **(client_annotations or {})})
+    for p in (server, client):
+        node.add(p)
+    return server, client, http_echo_server(server.netns, "0.0.0.0", 8080, "server")
+
+
+def _dns_status(node: EnvoyNode) -> dict[str, Any]:
+    return dict(node.agent.status().get("dns") or {})
+
+
+def test_a_mesh_name_is_answered_on_the_node_and_routes_through_the_mesh_with_identity(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    dns, dns_ip = cluster_dns
+    _server, client, srv = _echo(dnode)
+    try:
+        until(lambda: addresses(ask(client.netns, dns_ip, MESH_NAME))[1] == [SVC_IP],
+              "the mesh name resolving to the ClusterIP", 20)
+        assert addresses(ask(client.netns, dns_ip, MESH_NAME, tcp=True))[1] == [SVC_IP]
+        # AAAA of an IPv4-only Service: NOERROR with no records, not asked of the cluster DNS
+        assert addresses(ask(client.netns, dns_ip, MESH_NAME, wire.TYPE_AAAA))[:2] == (0, [])
+        assert addresses(ask(client.netns, dns_ip, "nope.app.aether.internal"))[0] == \
+            wire.RCODE_NXDOMAIN
+        assert not [n for n in dns.names_seen() if n.endswith("aether.internal")], \
+            "the cluster DNS saw a mesh name"
+        # the name is the Service: its route applies and the server sees the caller's identity
+        def call() -> tuple[int, dict[str, Any]]:
+            code, _h, body = http_get_from(client.netns, SVC_IP, 80,
+                                           headers={"Host": MESH_NAME}, timeout=3)[0]
+            return code, (json.loads(body) if code == 200 else {})
+        code, seen = until(lambda: (got := call())[0] == 200 and got, "a call by mesh name", 20)
+        headers = {k.lower(): v for k, v in seen["headers"].items()}
+        assert headers.get("x-route") == "echo-tag", headers
+        assert f"URI=spiffe://{TD}/ns/app/sa/client" in headers.get("x-forwarded-client-cert", "")
+        counts = _dns_status(dnode)["pods"]["app/client"]
+        assert counts["mesh"] >= 3 and counts["nxdomain"] >= 1
+    finally:
+        srv.shutdown()
+
+
+def test_other_names_reach_the_resolver_the_pod_asked_from_the_pod_unchanged(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    dns, dns_ip = cluster_dns
+    client = dnode.pod(name="asker", service_account="asker")
+    dnode.add(client)
+    for tcp in (False, True):
+        got = ask(client.netns, dns_ip, "known.app.svc.cluster.local", tcp=tcp)
+        assert addresses(got)[:2] == (0, ["10.96.99.99"]) and got == dns.sent[-1]
+        assert dns.seen[-1].transport == ("tcp" if tcp else "udp")
+        assert dns.seen[-1].peer == client.ip(), "the resolver must see the pod, not the node"
+        # NXDOMAIN relayed as the resolver wrote it
+        nx = ask(client.netns, dns_ip, "nope.app.svc.cluster.local", tcp=tcp)
+        assert addresses(nx)[0] == wire.RCODE_NXDOMAIN and nx == dns.sent[-1]
+    # truncation: TC over UDP, relayed as is; the retry over TCP gets the records
+    udp = ask(client.netns, dns_ip, "big.app.svc.cluster.local")
+    assert addresses(udp)[2] and udp == dns.sent[-1]
+    tcp_answer = ask(client.netns, dns_ip, "big.app.svc.cluster.local", tcp=True)
+    assert addresses(tcp_answer)[1] == ["10.96.99.98"]
+    counts = _dns_status(dnode)["pods"]["app/asker"]
+    assert counts["forwarded"] >= 6
+    # the table sends DNS to the pod DNS, after the proxy's own RETURN
+    table = list_table_text(client.netns) or ""
+    assert "15053" in table
+
+
+def test_an_opted_out_pod_asks_the_cluster_dns_itself(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    dns, dns_ip = cluster_dns
+    pod = dnode.pod(name="optout", annotations={"capture.aether.io/dns": "false"})
+    dnode.add(pod)
+    got = ask(pod.netns, dns_ip, MESH_NAME)
+    assert addresses(got)[0] == wire.RCODE_NXDOMAIN and MESH_NAME in dns.names_seen()
+    assert "15053" not in (list_table_text(pod.netns) or "")
+    assert "app/optout" not in (_dns_status(dnode).get("pods") or {})
+
+
+def test_a_pod_cannot_forge_its_way_past_the_dns_capture(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    """A pod process with CAP_NET_RAW sets the proxy's mark on its own socket: the RETURN
+    also wants the proxy's cgroup, so the query is still captured."""
+    dns, dns_ip = cluster_dns
+    pod = dnode.pod(name="forger")
+    dnode.add(pod)
+    for tcp in (False, True):
+        before = len(dns.seen)
+        got = ask(pod.netns, dns_ip, "nope.app.aether.internal", tcp=tcp, mark=0xAE)
+        assert addresses(got)[0] == wire.RCODE_NXDOMAIN
+        assert len(dns.seen) == before, "a marked query left uncaptured"
+
+
+def test_the_pod_dns_survives_its_process_dying_and_goes_with_the_pod(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    dns, dns_ip = cluster_dns
+    pod = dnode.pod(name="lasting")
+    dnode.add(pod)
+    assert addresses(ask(pod.netns, dns_ip, "known.app.svc.cluster.local"))[1] == ["10.96.99.99"]
+    pid = _dns_status(dnode)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    until(lambda: (st := _dns_status(dnode)).get("up") and st.get("pid") != pid
+          and "app/lasting" in (st.get("pods") or {}), "the pod DNS started again", 15)
+    assert addresses(ask(pod.netns, dns_ip, "known.app.svc.cluster.local"))[1] == ["10.96.99.99"]
+    # DEL: its sockets go with it (the cluster DNS pod is not captured: none of its own)
+    dnode.kubelet.delete(pod)
+    dnode.pods.remove(pod)
+    deadline = time.monotonic() + 10
+    while "app/lasting" in (_dns_status(dnode).get("pods") or {}):
+        assert time.monotonic() < deadline, _dns_status(dnode)
+        time.sleep(0.1)
+    assert _dns_status(dnode)["served"] == 0
