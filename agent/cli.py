@@ -208,7 +208,7 @@ def run(
         from agent.dns.sink import DnsSink
         dns = DnsProcess(DnsSettings(mesh_domain=mesh_domain, port=dns_port,
                                      mark=_int(passthrough_mark), timeout=dns_timeout,
-                                     max_inflight=dns_max_inflight),
+                                     max_inflight=dns_max_inflight, run_dir=run_dir),
                          cgroup=proxy.directory if proxy.ok else None)
         sink = DnsSink(sink if sink is not None else NullSink(), dns)  # type: ignore[assignment]
     if scope not in ("deps", "all"):

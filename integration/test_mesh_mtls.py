@@ -296,6 +296,7 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
 
         kept_statuses: list[int] = []
         slowest: list[tuple[float, float]] = []  # (s into the stream at its start, seconds)
+        baseline = _failure_stats(mnode)  # the report counts from here, not from Envoy's start
         start, t0 = time.time(), time.monotonic()
         end = t0 + 8  # renewals every 3 s: at least two for each identity
         n = 0
@@ -321,15 +322,29 @@ def test_svid_rotation_during_a_steady_request_stream_drops_nothing(
         assert mnode.stat("cluster.mtls|app|client.client_ssl_socket_factory."
                           "ssl_context_update_by_sds") >= updates + 2
         assert len(statuses) > 20 and set(statuses) == {200}, _rotation_report(
-            mnode, errors, start) + f"\nslowest (start s, seconds): {slowest}"
+            mnode, errors, start, baseline) + f"\nslowest (start s, seconds): {slowest}"
         assert len(kept_statuses) > 4 and set(kept_statuses) == {200}, _rotation_report(
-            mnode, kept_statuses, start)
+            mnode, kept_statuses, start, baseline)
         kept.close()
     finally:
         srv.shutdown()
 
 
-def _rotation_report(node: EnvoyNode, failures: Any, start: float) -> str:
+def _failure_stats(node: EnvoyNode) -> dict[str, int]:
+    """Envoy's TLS and connection-failure counters, by name."""
+    stats = node.admin("/stats?filter=(ssl\\.|cx_connect_fail|cx_connect_timeout|"
+                       "rq_timeout|cx_destroy_with_active_rq|handshake|"
+                       "downstream_cx_overflow|no_healthy|upstream_cx_total)")
+    out = {}
+    for ln in stats.splitlines():
+        name, _, value = ln.partition(": ")
+        if value.strip().isdigit():
+            out[name] = int(value)
+    return out
+
+
+def _rotation_report(node: EnvoyNode, failures: Any, start: float,
+                     baseline: dict[str, int] | None = None) -> str:
     """What a failed rotation run needs to be understood: the failures, the agent's
     rotations and connection records since the stream started (wall-clock offsets), and
     Envoy's TLS and connection-failure counters."""
@@ -347,10 +362,11 @@ def _rotation_report(node: EnvoyNode, failures: Any, start: float) -> str:
         if "rotated" in msg or r.get("flags") not in (None, "", "-") or r.get("level") in (
                 "warning", "error"):
             lines.append(f"{ts - start:+.2f} {json.dumps(r, default=str)[:400]}")
-    stats = node.admin("/stats?filter=(ssl\\.|cx_connect_fail|cx_connect_timeout|"
-                       "rq_timeout|cx_destroy_with_active_rq|handshake|"
-                       "downstream_cx_overflow|no_healthy)")
-    lines += [ln for ln in stats.splitlines() if not ln.endswith(": 0")]
+    # what moved during the stream (a counter from before it, e.g. the setup's probe, is
+    # not the stream's)
+    before = baseline or {}
+    lines += [f"{k}: +{v - before.get(k, 0)}" for k, v in sorted(_failure_stats(node).items())
+              if v != before.get(k, 0)]
     return "\n".join(lines)
 
 

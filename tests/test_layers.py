@@ -37,7 +37,7 @@ PURE = (
     "agent.envoy.mtls_deliver", "agent.envoy.mtls_inbound", "agent.envoy.mtls_out",
     "agent.envoy.namespace_tier", "agent.envoy.node_state", "agent.envoy.pod_table",
     "agent.envoy.service_tables", "agent.envoy.xds_wire",
-    "agent.cni.pod_lookup", "agent.cni.pod_locks",
+    "agent.cni.pod_lookup", "agent.cni.pod_locks", "agent.dns.names", "agent.dns.wire",
 ) + tuple(  # every module of the pure packages, the ones added later included
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
     for pkg in ("authz", "capture", "scope") for p in sorted((ROOT / "agent" / pkg).glob("*.py"))

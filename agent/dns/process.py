@@ -20,9 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import psutil
+
 log = logging.getLogger("aether.dns")
 
 _MAX = 65536
+PID_FILE = "dns.pid"
 #: (kind "service" or "import", namespace, name) → addresses, () for no address, None for
 #: no such name
 NameLookup = Callable[[str, str, str], "tuple[str, ...] | None"]
@@ -39,6 +42,7 @@ class DnsSettings:
     mark: int = 0
     timeout: float = 5.0
     max_inflight: int = 64
+    run_dir: str = ""  # where the pid file is (and what names the process)
 
 
 class DnsProcess:
@@ -75,9 +79,16 @@ class DnsProcess:
                            "mark": self.settings.mark, "timeout": self.settings.timeout,
                            "max_inflight": self.settings.max_inflight})
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.dns.server", self.cgroup, str(theirs.fileno()), args],
+            [sys.executable, "-m", "agent.dns.server", self.cgroup, str(theirs.fileno()), args,
+             self.settings.run_dir],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
+        if self.settings.run_dir:
+            try:
+                with open(os.path.join(self.settings.run_dir, PID_FILE), "w") as f:
+                    f.write(f"{self._proc.pid}\n")
+            except OSError as e:
+                log.warning("cannot record the pod DNS pid: %s", e)
         self._chan = ours
         self.starts += 1
         threading.Thread(target=self._read, args=(ours,), name="aether-dns-control",
@@ -101,10 +112,53 @@ class DnsProcess:
         p = self._proc
         return p.pid if p is not None and p.poll() is None else None
 
-    def stop(self) -> None:
+    def stop(self, linger: bool = False) -> None:
+        """Stop serving. ``linger`` (a restart, Envoy kept): the process outlives this agent
+        and serves the pods until the next agent's DNS serves them (``retire_previous``)."""
         with self._lock:
             self._stopping = True
+            if linger and self._chan is not None and self.pid() is not None:
+                try:
+                    self._chan.send(json.dumps({"op": "linger", "seq": 0}).encode())
+                    self._chan.close()
+                    self._chan = None
+                    self._proc = None  # not ours to reap any more
+                    return
+                except OSError:
+                    pass
             self._kill_locked()
+
+    def previous(self) -> psutil.Process | None:
+        """The DNS process the previous agent on this run dir left serving (its pid file
+        names it, its command line says it is one), or None."""
+        if not self.settings.run_dir:
+            return None
+        try:
+            with open(os.path.join(self.settings.run_dir, PID_FILE)) as f:
+                pid = int(f.read().strip() or 0)
+            proc = psutil.Process(pid)
+            cmd = proc.cmdline()
+        except (OSError, ValueError, psutil.Error):
+            return None
+        mine = self._proc.pid if self._proc is not None else None
+        if pid == mine or "agent.dns.server" not in cmd or self.settings.run_dir not in cmd:
+            return None
+        return proc
+
+    def retire_previous(self, proc: psutil.Process | None) -> None:
+        """Stop the previous agent's DNS process once this one serves the pods (both hold
+        each pod's DNS port meanwhile, SO_REUSEPORT)."""
+        if proc is None:
+            return
+        try:
+            proc.terminate()
+            proc.wait(3)
+        except psutil.TimeoutExpired:
+            proc.kill()
+        except psutil.Error:
+            return
+        log.info("the previous agent's pod DNS (pid %d) stopped: this agent's serves %d pods",
+                 proc.pid, len(self._served))
 
     # ---- the channel ----------------------------------------------------------------
     def _read(self, chan: socket.socket) -> None:

@@ -98,6 +98,9 @@ class DnsServer:
                     u = socket.socket(family, socket.SOCK_DGRAM)
                     if family == socket.AF_INET6:
                         u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    # beside the previous agent's DNS process until it exits (a restart or
+                    # an upgrade hands over without a refused query; docs/operations.md)
+                    u.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                     u.bind((host, self.port))
                 except OSError as e:
                     u.close()
@@ -110,6 +113,7 @@ class DnsServer:
                 tcp.append(t)
                 if family == socket.AF_INET6:
                     t.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 t.bind((host, self.port))
                 t.listen(128)
             return udp, tcp, Conntrack()
@@ -351,8 +355,15 @@ class Control:
         self.seq = 0
         self.server = DnsServer(lookup=self.lookup, **server_args)
         self.done = asyncio.Event()
+        # told by an agent that stops for a restart: outlive it, serving its pods (mesh
+        # names get SERVFAIL, forwarding goes on) until the next agent's DNS serves them
+        # and stops this one
+        self.linger = False
+        self.orphaned = False
 
     async def lookup(self, kind: str, ns: str, name: str) -> Any:
+        if self.orphaned:
+            raise OSError("no agent to ask")
         self.seq += 1
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[self.seq] = fut
@@ -384,7 +395,13 @@ class Control:
                 self.done.set()
                 return
             if not msg:
-                self.done.set()  # the agent is gone: so is its pods' DNS
+                if self.linger:
+                    self.orphaned = True
+                    asyncio.get_running_loop().remove_reader(self.chan.fileno())
+                    log.info("the agent is gone; serving its %d pods until the next "
+                             "agent's DNS takes over", len(self.server.pods))
+                else:
+                    self.done.set()  # the agent is gone: so is its pods' DNS
                 return
             asyncio.ensure_future(self._handle(json.loads(msg), fds))
 
@@ -403,6 +420,8 @@ class Control:
                 await self.server.serve(str(msg["id"]), str(msg["pod"]), fds.pop())
             elif op == "stop":
                 reply["stopped"] = self.server.stop(str(msg["id"]))
+            elif op == "linger":
+                self.linger = True
             elif op == "stats":
                 reply["stats"] = self.server.stats()
             else:
@@ -423,7 +442,8 @@ async def _main(fd: int, args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m agent.dns.server <cgroup dir or ''> <channel fd> <json settings>``"""
+    """``python -m agent.dns.server <cgroup dir or ''> <channel fd> <json settings> <run dir>``
+    (the run dir only names the process: ``aether-agent uninstall`` finds it by it)"""
     if argv[0]:
         with open(os.path.join(argv[0], "cgroup.procs"), "w") as f:
             f.write("0")

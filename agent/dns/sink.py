@@ -30,6 +30,7 @@ class DnsSink:
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "dns", dns)
         object.__setattr__(self, "_pending", {})
+        object.__setattr__(self, "_previous", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -85,12 +86,18 @@ class DnsSink:
         threading.Thread(target=again, name=f"aether-dns-restore-{pod.container_id[:12]}",
                          daemon=True).start()
 
+    def restored(self) -> None:
+        """Every recorded pod restored (this agent's DNS serves them): the previous agent's
+        lingering DNS process may go."""
+        self.dns.retire_previous(self._previous)
+
     def start(self) -> None:
         """The proxy's start, and the DNS process's (so the first ADD does not wait for a
         Python to boot)."""
         start = getattr(self.inner, "start", None)
         if callable(start):
             start()
+        object.__setattr__(self, "_previous", self.dns.previous())  # before ours rewrites it
         try:
             self.dns.start()
         except OSError as e:  # the first serve tries again, and fails the ADD if it must
@@ -106,7 +113,9 @@ class DnsSink:
     def stop(self, **kwargs: Any) -> None:
         """The proxy's stop (``keep_envoy`` and all), then the DNS process's: the pods' DNS
         goes with this agent (a next agent binds it again, see ``restore_pod``)."""
-        self.dns.stop()  # first: its process is in the proxy's cgroup, which Envoy's stop removes
+        # first: its process is in the proxy's cgroup, which Envoy's stop removes; kept
+        # (lingering) with Envoy across a restart
+        self.dns.stop(linger=bool(kwargs.get("keep_envoy")))
         stop = getattr(self.inner, "stop", None)
         if callable(stop):
             stop(**kwargs)

@@ -110,7 +110,37 @@ def stop_envoy(run_dir: str, progress: Callable[[str], None], timeout: float = 1
     """Stop every Envoy (and keeper) agents with this run dir left running, in either slot
     (a take-over runs the new agent's Envoy in the other one). True when none is left."""
     from agent.runtime.takeover import SLOTS
-    return all([stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
+    stopped = all([stop_slot(os.path.join(run_dir, slot), progress, timeout) for slot in SLOTS])
+    return stop_pod_dns(run_dir, progress, timeout) and stopped
+
+
+def stop_pod_dns(run_dir: str, progress: Callable[[str], None], timeout: float = 10.0) -> bool:
+    """The pod DNS processes of this run dir (one left lingering by a stopped agent)."""
+    mine: list[psutil.Process] = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if "agent.dns.server" in cmd and run_dir in cmd:
+                mine.append(proc)
+        except psutil.Error:
+            continue
+    for proc in mine:
+        progress(f"stopping the pod DNS pid {proc.pid}")
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(mine, timeout=timeout)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.unlink(os.path.join(run_dir, "dns.pid"))
+    except OSError:
+        pass
+    return not [p for p in alive if _exists(p) and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -> bool:

@@ -124,6 +124,9 @@ class Agent:
             start()
         self._check_envoy_sees_pins()
         self.reconcile()
+        restored = getattr(self.sink, "restored", None)
+        if callable(restored):  # every recorded pod served again (the pod DNS's hand-over)
+            restored()
         self._drop_leftover_release_tables()
         if self.options.mesh:
             self._start_mesh()

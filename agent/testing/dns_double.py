@@ -68,6 +68,8 @@ class ClusterDns:
         while not self._stop:
             try:
                 data, peer = self.udp.recvfrom(65535)
+                if peer is None:  # shut down
+                    return
                 self.udp.sendto(self._answer(data, "udp", peer[0]), peer)
             except (OSError, wire.MalformedQuery):
                 if self._stop:

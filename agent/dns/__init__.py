@@ -1,0 +1,1 @@
+"""The pod DNS: DNS capture, mesh names, forwarding from the pod netns (issue #42)."""
