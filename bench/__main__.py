@@ -35,6 +35,7 @@ BENCHES: dict[str, dict[str, list[str]]] = {
                  "quick": ["--quick"]},
     "authz_cost": {"full": ["--rounds", "5", "--duration", "8"], "quick": ["--quick"]},
     "authz_instructions": {"full": ["--rounds", "3", "--duration", "10"], "quick": ["--quick"]},
+    "dns": {"full": ["--rounds", "5"], "quick": ["--quick"]},
 }
 
 
@@ -365,6 +366,29 @@ def rows_authz_instructions(d: dict[str, Any]) -> list[Row]:
     return out
 
 
+def rows_dns(d: dict[str, Any]) -> list[Row]:
+    n, q = d["rounds"], d["queries_per_kind"]
+    direct = d["direct"]["median_us"]["median"]
+    out: list[Row] = []
+    for kind, what, ratio in (("forwarded", "a forwarded name (the pod DNS relays it from the "
+                               "pod's netns)", "forwarded_over_direct"),
+                              ("mesh", "a mesh name (answered by the pod DNS)",
+                               "mesh_over_direct")):
+        k, r = d[kind], d[ratio]
+        out.append(("dns", f"UDP query latency, {what}; median of {n} rounds of {q}",
+                    f"{k['median_us']['median']:.0f} µs (p99 {k['p99_us']['median']:.0f})",
+                    f"cluster DNS direct {direct:.0f} µs",
+                    f"{r['median']:.2f}× (spread {r['spread'][0]:.2f}–{r['spread'][1]:.2f})",
+                    "-"))
+        out.append(("dns", f"CPU per query, {what}", f"pod DNS {k['pod_dns_cpu_us']['median']:.0f}"
+                    f" µs, agent {k['agent_cpu_us']['median']:.0f} µs", "-", "-", "-"))
+    added = d["forwarded_added_us"]
+    out.append(("dns", "latency the pod DNS adds to a forwarded query",
+                f"{added['median']:.0f} µs", f"spread {added['spread'][0]:.0f}–"
+                f"{added['spread'][1]:.0f}", "-", "-"))
+    return out
+
+
 def rows_takeover(d: dict[str, Any]) -> list[Row]:
     t, c = d["takeover"], d.get("crash")
     n, pods = len(d["takeovers"]), d["pods"]
@@ -397,7 +421,7 @@ def rows_takeover(d: dict[str, Any]) -> list[Row]:
 ROWS = {"cni_add": rows_cni_add, "envoy_path": rows_envoy_path, "xds_build": rows_xds_build,
         "agent_scale": rows_agent_scale, "mesh_mtls": rows_mesh_mtls,
         "h2_balance": rows_h2_balance, "traffic_metrics": rows_traffic_metrics,
-        "sidecar_path": rows_sidecar_path, "takeover": rows_takeover,
+        "sidecar_path": rows_sidecar_path, "takeover": rows_takeover, "dns": rows_dns,
         "authz_cost": rows_authz_cost, "authz_instructions": rows_authz_instructions}
 
 

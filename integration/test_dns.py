@@ -53,13 +53,14 @@ def cluster_dns(dnode: EnvoyNode) -> Iterator[tuple[ClusterDns, str]]:
     dns.close()
 
 
-def _echo(node: EnvoyNode, client_annotations: dict[str, str] | None = None
-          ) -> tuple[Pod, Pod, Any]:
+def _echo(node: EnvoyNode, client_annotations: dict[str, str] | None = None,
+          deps: str | None = "app/echo", server_annotations: dict[str, str] | None = None,
+          route: bool = True) -> tuple[Pod, Pod, Any]:
     node.agent.write("svc-echo.yaml", [{
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo", "namespace": "app"},
         "spec": {"clusterIP": SVC_IP, "clusterIPs": [SVC_IP], "selector": {"app": "echo"},
                  "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}])
-    node.agent.write("route-echo.yaml", [{
+    node.agent.write("route-echo.yaml", [] if not route else [{
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
         "metadata": {"name": "echo-tag", "namespace": "app"},
         "spec": {"parentRefs": [{"group": "", "kind": "Service", "name": "echo", "port": 80}],
@@ -67,9 +68,10 @@ def _echo(node: EnvoyNode, client_annotations: dict[str, str] | None = None
                                          "requestHeaderModifier": {
                                              "add": [{"name": "x-route", "value": "echo-tag"}]}}],
                             "backendRefs": [{"name": "echo", "port": 80}]}]}}])
-    server = node.pod(name="server", labels={"app": "echo"}, service_account="server")
+    server = node.pod(name="server", labels={"app": "echo"}, service_account="server",
+                      annotations=server_annotations)
     client = node.pod(name="client", service_account="client",
-                      annotations={"aether.io/dependencies": "app/echo",
+                      annotations={**({"aether.io/dependencies": deps} if deps else {}),
                                    **(client_annotations or {})})
     for p in (server, client):
         node.add(p)
@@ -105,6 +107,37 @@ def test_a_mesh_name_is_answered_on_the_node_and_routes_through_the_mesh_with_id
         assert f"URI=spiffe://{TD}/ns/app/sa/client" in headers.get("x-forwarded-client-cert", "")
         counts = _dns_status(dnode)["pods"]["app/client"]
         assert counts["mesh"] >= 3 and counts["nxdomain"] >= 1
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("by", ["mesh name", "standard name"])
+def test_the_first_call_to_a_service_never_called_is_a_mesh_call(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str], by: str) -> None:
+    """Demand scope, a client that declares nothing, a STRICT server (plaintext refused):
+    the name's answer waits until the node's proxy serves the Service, so the very first
+    request goes over the mesh hop with the caller's identity."""
+    dns, dns_ip = cluster_dns
+    name = MESH_NAME if by == "mesh name" else "echo.app.svc.cluster.local"
+    dns.records[name] = (SVC_IP,)  # the cluster DNS knows the standard name
+    _server, client, srv = _echo(dnode, deps=None, route=False, server_annotations={
+        "security.aether.io/peer-authentication": "strict"})
+    try:
+        # the Service is known to the agent (its model), not served: nobody asked for it
+        until(lambda: (dnode.agent.status()["mesh"]["objects_by_kind"]).get("Service"),
+              "the Service in the agent's model", 20)
+        time.sleep(0.5)  # its endpoints (the server pod) settled too
+        served = dnode.agent.status()["mesh"]["dependency_set"].get("app/echo", [])
+        assert not served or all(r.startswith("not served") for r in served), served
+        assert addresses(ask(client.netns, dns_ip, name, timeout=5))[1] == [SVC_IP]
+        code, _h, body = http_get_from(client.netns, SVC_IP, 80, headers={"Host": name},
+                                       timeout=5)[0]
+        assert code == 200, body
+        xfcc = {k.lower(): v for k, v in json.loads(body)["headers"].items()}.get(
+            "x-forwarded-client-cert", "")
+        assert f"URI=spiffe://{TD}/ns/app/sa/client" in xfcc
+        mesh = dnode.agent.status()["mesh"]
+        assert mesh["first_calls_held"] >= 1 and mesh["first_call_hold_timeouts"] == 0
     finally:
         srv.shutdown()
 
@@ -178,3 +211,67 @@ def test_the_pod_dns_survives_its_process_dying_and_goes_with_the_pod(
         assert time.monotonic() < deadline, _dns_status(dnode)
         time.sleep(0.1)
     assert _dns_status(dnode)["served"] == 0
+
+
+def test_a_restart_hands_the_pod_dns_over_without_a_lost_query(
+        workdir: str, bridge_name: str) -> None:
+    """An upgrade-style stop (SIGTERM, Envoy kept): the DNS process outlives the agent and
+    forwards on; the next agent's binds beside it (SO_REUSEPORT) and stops it once every
+    restored pod is served. A pod asking all along loses no query."""
+    import threading
+
+    import psutil
+    n = EnvoyNode(workdir, bridge_name, extra=["--envoy-on-exit", "keep"])
+    n.agent.start()
+    n.wait_ready()
+    keeper = 0
+    dns: ClusterDns | None = None
+    try:
+        dns_pod = n.pod(namespace="plain", name="coredns")
+        n.add(dns_pod)
+        dns = ClusterDns(dns_pod.netns, records={"known.app.svc.cluster.local": ("10.96.99.99",)}
+                         ).start()
+        client = n.pod(name="steady")
+        n.add(client)
+        with open(os.path.join(n.agent.run_dir, "envoy", "envoy.pid")) as f:
+            keeper = int(f.read())
+        assert addresses(ask(client.netns, dns_pod.ip(), "known.app.svc.cluster.local"))[1]
+        old = _dns_status(n)["pid"]
+        answered, lost, stop = [0], [0], threading.Event()
+
+        def steady() -> None:
+            while not stop.is_set():
+                got = ask(client.netns, dns_pod.ip(), "known.app.svc.cluster.local", timeout=2)
+                if got and addresses(got)[1] == ["10.96.99.99"]:
+                    answered[0] += 1
+                else:
+                    lost[0] += 1
+                time.sleep(0.01)
+        t = threading.Thread(target=steady, daemon=True)
+        t.start()
+        n.agent.stop()  # SIGTERM
+        assert psutil.pid_exists(old), "the DNS process went with the agent"
+        during = answered[0]
+        time.sleep(1.0)
+        assert answered[0] > during, "no answer while the agent was down"
+        # a mesh name needs the agent: SERVFAIL meanwhile (the pod's resolver retries)
+        assert addresses(ask(client.netns, dns_pod.ip(), "x.app.aether.internal"))[0] == \
+            wire.RCODE_SERVFAIL
+        n.agent.start()
+        until(lambda: not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie",
+              "the previous DNS process still runs", 20)
+        time.sleep(1.0)
+        stop.set()
+        t.join(10)
+        assert _dns_status(n)["pid"] != old and "app/steady" in _dns_status(n)["pods"]
+        assert lost[0] == 0 and answered[0] > 50, (lost[0], answered[0])
+        assert addresses(ask(client.netns, dns_pod.ip(), "x.app.aether.internal"))[0] == \
+            wire.RCODE_NXDOMAIN
+    finally:
+        if dns is not None:
+            dns.close()
+        n.cleanup()
+        n.agent.stop()
+        if keeper and psutil.pid_exists(keeper):
+            os.kill(keeper, signal.SIGTERM)
+            psutil.Process(keeper).wait(10)

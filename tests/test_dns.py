@@ -146,7 +146,9 @@ def test_wanted_names_the_one_lookup_decide_makes() -> None:
     assert wanted("echo.demo.aether.internal", "aether.internal") == ("service", "demo", "echo")
     assert wanted("echo.demo.svc.clusterset.local", "aether.internal") == \
         ("import", "demo", "echo")
-    assert wanted("echo.demo.svc.cluster.local", "aether.internal") is None
+    # the standard name: forwarded, its Service readied first (the held first call)
+    assert wanted("echo.demo.svc.cluster.local", "aether.internal") == ("hold", "demo", "echo")
+    assert wanted("example.com", "aether.internal") is None
     assert wanted("demo.aether.internal", "aether.internal") is None
 
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from agent.dns.wire import CLASS_IN, RCODE_NOERROR, RCODE_NXDOMAIN, TYPE_A, TYPE_AAAA, TYPE_ANY
 
 CLUSTERSET_SUFFIX = "svc.clusterset.local"
+#: the standard name: forwarded, but its Service is brought into scope first (the held
+#: first call, agent.runtime.mesh.bring_into_scope)
+CLUSTER_SUFFIX = "svc.cluster.local"
 
 #: ``(namespace, name)`` → the ClusterIPs of a Service the mesh knows (() for a headless
 #: one), None for no such Service.
@@ -45,10 +48,12 @@ def _family(qtype: int, addresses: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def wanted(name: str, mesh_domain: str) -> tuple[str, str, str] | None:
-    """The lookup ``decide`` will make for ``name``: ("service" or "import", namespace,
-    name), or None (it makes none). Lets a caller fetch it first when fetching is slow."""
+    """The lookup to make for ``name`` before ``decide``: ("service" or "import",
+    namespace, name) for the answer, ("hold", namespace, name) for a standard Service name
+    (forwarded, its Service readied first), or None."""
     domain = mesh_domain.strip(".").lower()
-    for kind, suffix in (("service", domain), ("import", CLUSTERSET_SUFFIX)):
+    for kind, suffix in (("service", domain), ("import", CLUSTERSET_SUFFIX),
+                         ("hold", CLUSTER_SUFFIX)):
         if suffix and name.endswith("." + suffix):
             labels = name[:-len(suffix) - 1].split(".")
             if len(labels) == 2 and all(labels):

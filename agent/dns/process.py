@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -26,6 +27,7 @@ log = logging.getLogger("aether.dns")
 
 _MAX = 65536
 PID_FILE = "dns.pid"
+LOOKUP_WORKERS = 8
 #: (kind "service" or "import", namespace, name) → addresses, () for no address, None for
 #: no such name
 NameLookup = Callable[[str, str, str], "tuple[str, ...] | None"]
@@ -64,6 +66,7 @@ class DnsProcess:
         self._stopping = False
         self.starts = 0
         self.lookups = 0
+        self._pool = ThreadPoolExecutor(LOOKUP_WORKERS, thread_name_prefix="aether-dns-lookup")
 
     # ---- the process ----------------------------------------------------------------
     def start(self) -> None:
@@ -173,8 +176,8 @@ class DnsProcess:
                 doc = json.loads(msg)
             except ValueError:
                 continue
-            if doc.get("op") == "lookup":
-                self._answer(chan, doc)
+            if doc.get("op") == "lookup":  # on a worker: a held first call waits there
+                self._pool.submit(self._answer, chan, doc)
                 continue
             waiting = self._replies.get(int(doc.get("seq") or 0))
             if waiting is not None:

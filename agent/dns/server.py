@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
@@ -31,7 +32,7 @@ from typing import Any
 
 from agent.dns import wire
 from agent.dns.conntrack import Conntrack, NoEntry
-from agent.dns.names import Verdict, decide, wanted
+from agent.dns.names import FORWARD, Verdict, decide, wanted
 from agent.netns.enter import _setns
 
 log = logging.getLogger("aether.dns")
@@ -40,6 +41,9 @@ SO_MARK = 36
 SO_ORIGINAL_DST = 80
 _CONTROL_MAX = 65536
 TCP_IDLE_S = 10.0
+DRAIN_S = 2.0
+#: the agent may hold a lookup up to 2 s (a first call's Service readied: HOLD_S)
+LOOKUP_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -78,6 +82,7 @@ class DnsServer:
         self.max_inflight = max_inflight
         self.lookup = lookup  # async (kind, namespace, name) -> tuple | None
         self.pods: dict[str, PodDns] = {}
+        self.active = 0  # UDP queries being answered (``drain`` waits for them)
         self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
 
     # ---- sockets in the pod's netns -------------------------------------------------
@@ -172,6 +177,12 @@ class DnsServer:
     # ---- answering -----------------------------------------------------------------
     async def _verdict(self, q: wire.Question) -> Verdict:
         want = wanted(q.name, self.mesh_domain)
+        if want is not None and want[0] == "hold":
+            try:  # readies the Service for the call that follows; the query is forwarded
+                await self.lookup(*want)
+            except (OSError, TimeoutError):
+                pass
+            return FORWARD
         found = await self.lookup(*want) if want is not None else None
         return decide(q.name, q.qtype, q.qclass, self.mesh_domain,
                       lambda _ns, _n: found, lambda _ns, _n: found)
@@ -189,6 +200,14 @@ class DnsServer:
 
     async def _udp_query(self, pod: PodDns, sock: socket.socket, data: bytes,
                          peer: tuple[Any, ...]) -> None:
+        self.active += 1
+        try:
+            await self._udp_answer(pod, sock, data, peer)
+        finally:
+            self.active -= 1
+
+    async def _udp_answer(self, pod: PodDns, sock: socket.socket, data: bytes,
+                          peer: tuple[Any, ...]) -> None:
         try:
             q = wire.parse_query(data)
         except wire.MalformedQuery:
@@ -319,6 +338,23 @@ class DnsServer:
             raise
         return await asyncio.open_connection(sock=s)
 
+    async def drain(self, within: float) -> None:
+        """Stop without dropping a query: the listeners stop accepting; the UDP sockets keep
+        answering until no query is in flight (or ``within`` seconds), then close, and the
+        kernel sends the next queries to the next process's sockets (SO_REUSEPORT). Only a
+        datagram arriving in the instant between the last answer and the close is lost."""
+        loop = asyncio.get_running_loop()
+        for pod in self.pods.values():
+            for srv in pod.servers:
+                srv.close()
+        deadline = loop.time() + within
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        for pod in self.pods.values():
+            for u in pod.udp:
+                loop.remove_reader(u.fileno())
+                u.close()
+
     def stats(self) -> dict[str, Any]:
         return {"pods": {p.key: dict(p.counts) | {"inflight": p.inflight}
                          for p in self.pods.values()}}
@@ -369,7 +405,7 @@ class Control:
         self.waiting[self.seq] = fut
         self._send({"op": "lookup", "seq": self.seq, "kind": kind, "ns": ns, "name": name})
         try:
-            async with asyncio.timeout(2.0):
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                 got = await fut
         finally:
             self.waiting.pop(self.seq, None)
@@ -395,7 +431,7 @@ class Control:
                 self.done.set()
                 return
             if not msg:
-                if self.linger:
+                if self.linger and self.server.pods:
                     self.orphaned = True
                     asyncio.get_running_loop().remove_reader(self.chan.fileno())
                     log.info("the agent is gone; serving its %d pods until the next "
@@ -437,8 +473,11 @@ class Control:
 async def _main(fd: int, args: dict[str, Any]) -> None:
     chan = socket.socket(fileno=fd)
     control = Control(chan, args)
-    asyncio.get_running_loop().add_reader(chan.fileno(), control.on_readable)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(chan.fileno(), control.on_readable)
+    loop.add_signal_handler(signal.SIGTERM, control.done.set)
     await control.done.wait()
+    await control.server.drain(DRAIN_S)
 
 
 def main(argv: list[str]) -> None:

@@ -188,6 +188,10 @@ class SharedPublish:
                     f"(envoy pid {self.pid or 'none'}, xDS streams "
                     f"{self.xds.status().get('connected_streams')})")
 
+    def wait_acked(self, version: str, timeout: float) -> bool:
+        """True once Envoy has ACKed ``version`` (a publish's), within ``timeout`` s."""
+        return bool(self.xds.wait_acked(version, timeout))
+
     def set_services(self, views: list[Any], gamma: GammaResult | None = None,
                      learnable: tuple[tuple[str, int], ...] | None = None) -> str:
         """The in-scope Services or their GAMMA tables changed: rebuild chains, clusters, EDS.

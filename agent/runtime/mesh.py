@@ -40,6 +40,8 @@ log = logging.getLogger("aether.mesh")
 #: whole: the projection, route status and the CNI path read them back.
 THIN_KINDS = ("EndpointSlice", REMOTE_POD_KIND)
 
+#: how long a pod's DNS answer for a Service this node does not serve yet waits for it
+HOLD_S = 2.0
 REGISTER_WAIT_S = 0.1  # how long an ADD/DEL may wait for the mesh model before queueing
 
 
@@ -83,6 +85,12 @@ class MeshRuntime:
         self.pushes = 0
         self.last_push_s = 0.0
         self.learned_total = 0
+        # the held first call (bring_into_scope): what the last publish carried
+        self._published = threading.Condition()
+        self._published_keys: frozenset[str] = frozenset()
+        self._published_version: str | None = None
+        self.held_total = 0
+        self.held_timeouts = 0
         self._unsubscribe: Callable[[], None] | None = None
         # loops that write the model out (EndpointSlice projection, MeshPod records): each
         # is marked dirty on every change and debounces on its own
@@ -243,15 +251,55 @@ class MeshRuntime:
                 self._changed()
 
     def name_lookup(self, kind: str, namespace: str, name: str) -> tuple[str, ...] | None:
-        """The pod DNS's question (agent.dns): a Service's ClusterIPs (() when headless),
-        None when the mesh knows no such Service. Called from the DNS channel's thread:
-        one read of the catalog's dict, whose Services are immutable."""
-        if kind != "service":
+        """The pod DNS's question (agent.dns). ``service``: a Service's ClusterIPs (() when
+        headless), None when the mesh knows no such Service; ``hold``: a Service's standard
+        name on its way to the cluster DNS (None). Either way an in-mesh Service this node
+        does not serve yet is brought into scope first, and the answer held (at most
+        ``HOLD_S``) until Envoy has it: the pod's first connection, which follows the
+        answer, is then a mesh call (identity, routes), not a passthrough. Called on the
+        DNS channel's worker threads: the catalog read is one dict get of an immutable
+        Service."""
+        if kind not in ("service", "hold"):
             return None
-        svc = self.model.services.get(service_key(namespace, name))
+        key = service_key(namespace, name)
+        svc = self.model.services.get(key)
         if svc is None:
             return None
+        if not svc.headless:
+            self.bring_into_scope(key)
+        if kind == "hold":
+            return None
         return () if svc.headless else svc.cluster_ips
+
+    def bring_into_scope(self, key: str, hold_s: float = HOLD_S) -> bool:
+        """``key`` in the proxy's config (pushed and ACKed), learning it if need be; True
+        once it is, False for a Service out of the mesh or past ``hold_s`` (counted)."""
+        if key in self._published_keys:
+            return True
+        if not self.model.learn_service(key):
+            return False
+        self.held_total += 1
+        deadline = time.monotonic() + hold_s
+        self._dirty.set()
+        with self._published:
+            while key not in self._published_keys:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._published.wait(left)
+            version = self._published_version
+        served = key in self._published_keys
+        wait = getattr(self.sink, "wait_acked", None)
+        if served and version is not None and callable(wait):
+            try:
+                served = bool(wait(version, max(0.0, deadline - time.monotonic())))
+            except ValueError:
+                served = True  # a version the proxy superseded: a later one carries it
+        if not served:
+            self.held_timeouts += 1
+            log.warning("first call to %s: not in the proxy's config after %.1f s; the "
+                        "answer goes out anyway (the call may take the passthrough)", key, hold_s)
+        return served
 
     def learned(self, dst_ip: str, dst_port: int) -> None:
         """The passthrough saw a pod dial dst: an in-mesh Service joins the set (TTL)."""
@@ -302,7 +350,12 @@ class MeshRuntime:
         set_authz = getattr(self.sink, "set_authz", None)
         if callable(set_authz):  # the pods' policies ride the same publish
             set_authz(by_pod, known)
-        self.sink.set_services(views, self.compute_gamma(), self.model.learnable_targets())
+        version = self.sink.set_services(views, self.compute_gamma(),
+                                         self.model.learnable_targets())
+        with self._published:  # what a held first call waits for (bring_into_scope)
+            self._published_keys = frozenset(v.key for v in views)
+            self._published_version = version if isinstance(version, str) else None
+            self._published.notify_all()
         selected = frozenset(by_pod)
         if selected != self._selected:
             # after the publish: a pod's judging listener is sent before its rules steer
@@ -352,6 +405,8 @@ class MeshRuntime:
             "pushes": self.pushes,
             "last_push_ms": round(self.last_push_s * 1000, 2),
             "learned_total": self.learned_total,
+            "first_calls_held": self.held_total,
+            "first_call_hold_timeouts": self.held_timeouts,
             # pod registrations an ADD/DEL handed off because the model was busy; queued now
             "registrations_deferred": self.registrations_deferred,
             "registrations_queued": len(self._reg_queue),

@@ -184,6 +184,17 @@ class MeshModel:
                 self._scope_dirty = True
             return self._finish(set())
 
+    def learn_service(self, key: str) -> bool:
+        """A local pod asked DNS for this in-mesh Service's name (it is about to dial it):
+        the Service joins the set (TTL), as if learned from traffic. False: not in mesh."""
+        with self._lock:
+            if key not in self._in_mesh:
+                return False
+            if self.deps.learn(key):
+                self._scope_dirty = True
+            self._finish(set())
+            return True
+
     def expire(self) -> set[str]:
         """Drop lapsed learned entries (call on a timer; see deps.next_expiry)."""
         with self._lock:
