@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent.common.config import CAPTURE_PORT
+from agent.common.config import CAPTURE_PORT, DNS_PORT
 from agent.envoy import mtls
 from agent.identity.ca_dir import CaDirProvider, make_ca
 from agent.netns.enter import run_in_netns
@@ -660,9 +660,10 @@ def _listening_ports(netns: str) -> set[int]:
 def test_a_mesh_pod_sees_only_the_capture_and_inbound_ports_of_the_proxy(
         mnode: EnvoyNode) -> None:
     """Undeclared ports are detected in an internal listener, which no netns can reach: the
-    only proxy sockets in a mesh pod are its capture port (loopback) and :15008, both of
-    which take nothing from the pod it could not send directly (the capture listener
-    forwards as the pod, the inbound one speaks only mTLS). A detected HTTP call still
+    only proxy sockets in a mesh pod are its capture port (loopback), :15008 and the pod
+    DNS's :15053 (loopback), none of which takes anything from the pod it could not send
+    directly (the capture listener forwards as the pod, the inbound one speaks only mTLS,
+    the DNS answers mesh names and forwards the rest as the pod). A detected HTTP call still
     gets the caller's identity."""
     server, client, srv = _echo_pair(mnode)
     try:
@@ -671,8 +672,8 @@ def test_a_mesh_pod_sees_only_the_capture_and_inbound_ports_of_the_proxy(
         xfcc = json.loads(body)["headers"].get("x-forwarded-client-cert", "")
         assert xfcc == f"By=spiffe://{TD}/ns/app/sa/server;URI=spiffe://{TD}/ns/app/sa/client"
         assert _detection_connections(mnode) >= 1
-        assert _listening_ports(server.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT, 8080}
-        assert _listening_ports(client.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT}
+        assert _listening_ports(server.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT, DNS_PORT, 8080}
+        assert _listening_ports(client.netns) == {CAPTURE_PORT, mtls.INBOUND_PORT, DNS_PORT}
     finally:
         srv.shutdown()
 

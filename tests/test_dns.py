@@ -15,6 +15,7 @@ from agent.dns import conntrack, wire
 from agent.dns.names import decide as decide_name
 from agent.dns.names import wanted
 from agent.source.model import NamespaceMeta, PodMeta
+from agent.testing.dns_double import addresses
 
 NS = NamespaceMeta("app", labels={"aether.io/managed": "true"})
 NODE = NodeConfig(proxy_cgroup="aether-proxy", proxy_cgroup_level=1, dns_capture=True)
@@ -30,20 +31,8 @@ def query(name: str, qtype: int = wire.TYPE_A, qid: int = 0x1234, edns: bool = F
 
 def answers(msg: bytes) -> tuple[int, int, list[str]]:
     """(flags, rcode, addresses) of a response this module's queries got."""
-    qid, flags, qd, an, _ns, _ar = wire.HEADER.unpack_from(msg)
-    at = wire.HEADER.size
-    while msg[at]:
-        at += 1 + msg[at]
-    at += 5
-    out = []
-    for _ in range(an):
-        assert msg[at:at + 2] == b"\xc0\x0c"
-        rtype, _cls, _ttl, rdlen = struct.unpack_from("!HHIH", msg, at + 2)
-        rdata = msg[at + 12:at + 12 + rdlen]
-        out.append(socket.inet_ntop(socket.AF_INET if rtype == wire.TYPE_A
-                                    else socket.AF_INET6, rdata))
-        at += 12 + rdlen
-    return flags, flags & 0xF, out
+    rcode, ips, _tc = addresses(msg)
+    return wire.HEADER.unpack_from(msg)[1], rcode, ips
 
 
 def test_a_query_reads_back_with_its_case_folded_and_its_question_kept() -> None:

@@ -116,3 +116,19 @@ def test_the_proxy_sinks_attributes_and_stop_are_reached_through() -> None:
     assert dns.lingered is True and dns.log[-1] == "stop keep=True"
     sink.stop()
     assert dns.lingered is False
+
+
+def test_a_live_policy_change_serves_dns_before_and_drops_it_after_the_rules() -> None:
+    from dataclasses import replace
+    dns = FakeDns()
+    sink = DnsSink(FakeProxy(dns.log), dns)  # type: ignore[arg-type]
+    pod = _pod(dns=False)
+    on = replace(pod.policy, dns_capture=True)
+    sink.policy_changing(pod, on)  # the annotation now captures DNS: served first
+    assert dns.log == ["serve c1"]
+    sink.policy_changed(pod, on)
+    assert dns.log == ["serve c1"]
+    sink.policy_changing(pod, pod.policy)  # and back: nothing before the rules ...
+    assert dns.log == ["serve c1"]
+    sink.policy_changed(pod, pod.policy)  # ... and the DNS gone after them
+    assert dns.log == ["serve c1", "unserve c1"]

@@ -431,12 +431,27 @@ class CaptureLifecycle:
             if policy == record.policy:
                 return False
             reason = record.reason if reason is None else reason
+            # what the new rules redirect to is up before them (the pod DNS when its capture
+            # turns on), what they stop redirecting to goes after them
+            changing = getattr(self.sink, "policy_changing", None)
+            changed = getattr(self.sink, "policy_changed", None)
+            if callable(changing):
+                try:
+                    changing(record, policy)
+                except Exception as e:  # noqa: BLE001 - the previous rules stay, consistent
+                    log.error("re-applying the capture of %s: %s; the previous rules stay",
+                              record.key, e)
+                    return False
             try:
                 fp = self.dataplane.apply(record.netns, render_ruleset(policy))
             except DATAPLANE_ERRORS as e:
                 log.error("re-applying the capture of %s failed: %s; the previous rules stay",
                           record.key, e)
+                if callable(changed):
+                    changed(record, record.policy)  # back to what the old rules need
                 return False
+            if callable(changed):
+                changed(record, policy)
             record.policy, record.fingerprint, record.reason = policy, fp, reason
             self.store.put(record)
             self.counters.reapplied += 1

@@ -215,7 +215,7 @@ class DnsServer:
         if q is not None:
             try:
                 verdict = await self._verdict(q)
-            except Exception:  # noqa: BLE001 - the agent did not answer: the pod retries
+            except (OSError, TimeoutError):  # the agent did not answer: the pod retries
                 pod.counts["servfail"] += 1
                 _send(sock, wire.response(q, wire.RCODE_SERVFAIL, authoritative=False), peer)
                 return
@@ -285,7 +285,14 @@ class DnsServer:
                 except wire.MalformedQuery:
                     q = None
                 if q is not None:
-                    verdict = await self._verdict(q)
+                    try:
+                        verdict = await self._verdict(q)
+                    except (OSError, TimeoutError):  # the agent did not answer: SERVFAIL
+                        pod.counts["servfail"] += 1
+                        writer.write(wire.tcp_frame(wire.response(
+                            q, wire.RCODE_SERVFAIL, authoritative=False, udp=False)))
+                        await writer.drain()
+                        continue
                     if not verdict.forward:
                         pod.counts[verdict.kind] += 1
                         writer.write(wire.tcp_frame(

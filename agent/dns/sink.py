@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from agent.capture.policy import CapturePolicy
 from agent.cni.listener_sink import ListenerSink
 from agent.cni.state import CapturedPod
 from agent.dns.process import DnsProcess, DnsUnavailable
@@ -52,6 +53,16 @@ class DnsSink:
         except BaseException:
             self.dns.unserve(pod.container_id)
             raise
+
+    def policy_changing(self, pod: CapturedPod, policy: CapturePolicy) -> None:
+        """Before a live pod's rules change: its DNS served if they will capture it."""
+        if policy.dns_capture and not self.dns.serving(pod.container_id):
+            self.dns.serve(pod.container_id, pod.key, pod.netns)
+
+    def policy_changed(self, pod: CapturedPod, policy: CapturePolicy) -> None:
+        """After: its DNS gone if the rules in place no longer capture it."""
+        if not policy.dns_capture and self.dns.serving(pod.container_id):
+            self.dns.unserve(pod.container_id)
 
     def restore_pod(self, pod: CapturedPod) -> None:
         restore = getattr(self.inner, "restore_pod", self.inner.add_pod)

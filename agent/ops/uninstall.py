@@ -116,45 +116,31 @@ def stop_envoy(run_dir: str, progress: Callable[[str], None], timeout: float = 1
 
 def stop_pod_dns(run_dir: str, progress: Callable[[str], None], timeout: float = 10.0) -> bool:
     """The pod DNS processes of this run dir (one left lingering by a stopped agent)."""
-    mine: list[psutil.Process] = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmd = proc.info["cmdline"] or []
-            if "agent.dns.server" in cmd and run_dir in cmd:
-                mine.append(proc)
-        except psutil.Error:
-            continue
-    for proc in mine:
-        progress(f"stopping the pod DNS pid {proc.pid}")
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _gone, alive = psutil.wait_procs(mine, timeout=timeout)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    try:
-        os.unlink(os.path.join(run_dir, "dns.pid"))
-    except OSError:
-        pass
-    return not [p for p in alive if _exists(p) and p.status() != psutil.STATUS_ZOMBIE]
+    return _stop_matching(lambda cmd: "agent.dns.server" in cmd and run_dir in cmd,
+                          "the pod DNS", progress, timeout,
+                          [os.path.join(run_dir, "dns.pid")])
 
 
 def stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -> bool:
     """Only a process whose command line names this slot's bootstrap is touched."""
     bootstrap = os.path.join(envoy_dir, "bootstrap.json")
+    return _stop_matching(lambda cmd: bootstrap in cmd, "envoy", progress, timeout,
+                          [os.path.join(envoy_dir, n) for n in ("envoy.pid", "admin.sock")])
+
+
+def _stop_matching(match: Callable[[list[str]], bool], what: str,
+                   progress: Callable[[str], None], timeout: float, files: list[str]) -> bool:
+    """SIGTERM the processes whose command line ``match``es, SIGKILL what is left after
+    ``timeout``, remove ``files``; True when none runs any more."""
     mine: list[psutil.Process] = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if bootstrap in (proc.info["cmdline"] or []):
+            if match(proc.info["cmdline"] or []):
                 mine.append(proc)
         except psutil.Error:
             continue
     for proc in mine:
-        progress(f"stopping envoy pid {proc.pid}")
+        progress(f"stopping {what} pid {proc.pid}")
         try:
             proc.terminate()
         except psutil.Error:
@@ -166,9 +152,9 @@ def stop_slot(envoy_dir: str, progress: Callable[[str], None], timeout: float) -
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
-    for name in ("envoy.pid", "admin.sock"):
+    for path in files:
         try:
-            os.unlink(os.path.join(envoy_dir, name))
+            os.unlink(path)
         except OSError:
             pass
     return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in mine
