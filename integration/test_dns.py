@@ -111,6 +111,33 @@ def test_a_mesh_name_is_answered_on_the_node_and_routes_through_the_mesh_with_id
         srv.shutdown()
 
 
+def test_a_scoped_pod_reaches_the_mesh_name_on_the_mesh_port_through_the_route(
+        dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str]) -> None:
+    """Scoped capture (only :18081 redirected): ``<svc>.<ns>.aether.internal:18081`` is the
+    Service's HTTP port through the mesh: its route applies, the server sees the caller."""
+    _dns, dns_ip = cluster_dns
+    _server, client, srv = _echo(dnode, client_annotations={
+        "capture.aether.io/redirect-all": "false"})
+    try:
+        ip = until(lambda: (a := addresses(ask(client.netns, dns_ip, MESH_NAME))[1]) and a[0],
+                   "the mesh name resolving", 20)
+        assert ip == SVC_IP
+
+        def call() -> tuple[int, dict[str, Any]]:
+            code, _h, body = http_get_from(client.netns, ip, 18081,
+                                           headers={"Host": f"{MESH_NAME}:18081"}, timeout=3)[0]
+            return code, (json.loads(body) if code == 200 else {})
+        _code, seen = until(lambda: (got := call())[0] == 200 and got, "a call on :18081", 20)
+        headers = {k.lower(): v for k, v in seen["headers"].items()}
+        assert headers.get("x-route") == "echo-tag", headers
+        assert f"URI=spiffe://{TD}/ns/app/sa/client" in headers.get("x-forwarded-client-cert", "")
+        # the Service's real port is not captured for a scoped pod (there is no kube-proxy
+        # here, so nothing answers it): the mesh port is the way in
+        assert "dport 18081" in (list_table_text(client.netns) or "")
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("by", ["mesh name", "standard name"])
 def test_the_first_call_to_a_service_never_called_is_a_mesh_call(
         dnode: EnvoyNode, cluster_dns: tuple[ClusterDns, str], by: str) -> None:

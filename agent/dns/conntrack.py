@@ -10,7 +10,6 @@ pod netns does the asking.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 import struct
@@ -47,12 +46,11 @@ def _nested(kind: int, *attrs: bytes) -> bytes:
 
 def encode_get(local: Address, peer: Address, seq: int) -> bytes:
     """A CT GET for the UDP flow whose reply goes ``local`` → ``peer``."""
-    src, dst = ipaddress.ip_address(local[0]), ipaddress.ip_address(peer[0])
-    v6 = src.version == 6
+    v6 = ":" in local[0]
     family = socket.AF_INET6 if v6 else socket.AF_INET
     ip = _nested(CTA_TUPLE_IP,
-                 _attr(CTA_IP_V6_SRC if v6 else CTA_IP_V4_SRC, src.packed),
-                 _attr(CTA_IP_V6_DST if v6 else CTA_IP_V4_DST, dst.packed))
+                 _attr(CTA_IP_V6_SRC if v6 else CTA_IP_V4_SRC, socket.inet_pton(family, local[0])),
+                 _attr(CTA_IP_V6_DST if v6 else CTA_IP_V4_DST, socket.inet_pton(family, peer[0])))
     proto = _nested(CTA_TUPLE_PROTO,
                     _attr(CTA_PROTO_NUM, bytes([socket.IPPROTO_UDP])),
                     _attr(CTA_PROTO_SRC_PORT, struct.pack("!H", local[1])),
@@ -100,7 +98,8 @@ def decode_original_dst(reply: bytes, seq: int) -> Address:
         port = proto.get(CTA_PROTO_DST_PORT)
         if raw is None or port is None:
             raise NoEntry("the conntrack entry has no original destination")
-        return str(ipaddress.ip_address(raw)), struct.unpack("!H", port[:2])[0]
+        family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
+        return socket.inet_ntop(family, raw), struct.unpack("!H", port[:2])[0]
     raise NoEntry("no answer for the lookup")
 
 

@@ -44,6 +44,11 @@ TCP_IDLE_S = 10.0
 DRAIN_S = 2.0
 #: the agent may hold a lookup up to 2 s (a first call's Service readied: HOLD_S)
 LOOKUP_TIMEOUT_S = 3.0
+#: the agent's answers are kept this long: the TTL of the answers built from them
+CACHE_S = 5.0
+CACHE_MAX = 8192
+#: upstream sockets made per visit to a pod's netns (two setns calls each visit)
+SOCKET_BATCH = 16
 
 
 @dataclass
@@ -59,8 +64,12 @@ class PodDns:
     conntrack: Conntrack | None = None
     inflight: int = 0
     counts: Counter[str] = field(default_factory=Counter)
+    spare: dict[int, list[socket.socket]] = field(default_factory=dict)  # family → sockets
 
     def close(self) -> None:
+        for sockets in self.spare.values():
+            for s in sockets:
+                s.close()
         for srv in self.servers:
             srv.close()
         for s in self.udp + self.tcp:
@@ -81,6 +90,7 @@ class DnsServer:
         self.timeout = timeout
         self.max_inflight = max_inflight
         self.lookup = lookup  # async (kind, namespace, name) -> tuple | None
+        self._cached: Callable[[tuple[str, str, str]], tuple[Any] | None] | None = None
         self.pods: dict[str, PodDns] = {}
         self.active = 0  # UDP queries being answered (``drain`` waits for them)
         self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -128,13 +138,23 @@ class DnsServer:
             raise
 
     def _upstream(self, pod: PodDns, family: int, kind: int) -> socket.socket:
-        def make() -> socket.socket:
-            s = socket.socket(family, kind)
-            s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
-            s.setblocking(False)
-            return s
-        made: socket.socket = self._in_netns(pod.netns_fd, make)
-        return made
+        """A marked socket of the pod's netns, unbound (each query gets its own source
+        port when it connects). UDP ones are made ``SOCKET_BATCH`` at a time."""
+        def make(n: int) -> list[socket.socket]:
+            out = []
+            for _ in range(n):
+                s = socket.socket(family, kind)
+                out.append(s)
+                s.setsockopt(socket.SOL_SOCKET, SO_MARK, self.mark)
+                s.setblocking(False)
+            return out
+        if kind != socket.SOCK_DGRAM:
+            made: list[socket.socket] = self._in_netns(pod.netns_fd, lambda: make(1))
+            return made[0]
+        spare = pod.spare.setdefault(family, [])
+        if not spare:
+            spare.extend(self._in_netns(pod.netns_fd, lambda: make(SOCKET_BATCH)))
+        return spare.pop()
 
     async def serve(self, container_id: str, key: str, netns_fd: int) -> None:
         old = self.pods.pop(container_id, None)
@@ -188,6 +208,8 @@ class DnsServer:
                       lambda _ns, _n: found, lambda _ns, _n: found)
 
     def _on_udp(self, pod: PodDns, sock: socket.socket) -> None:
+        """Queries are answered from here, without a task, when no lookup is needed or
+        its answer is cached (most of them); a task only waits for the agent."""
         for _ in range(64):  # a burst, then let the loop breathe
             try:
                 data, peer = sock.recvfrom(65535)
@@ -196,35 +218,56 @@ class DnsServer:
             except OSError:
                 pod.counts["errors"] += 1
                 return
-            asyncio.ensure_future(self._udp_query(pod, sock, data, peer))
+            try:
+                q: wire.Question | None = wire.parse_query(data)
+            except wire.MalformedQuery:
+                q = None
+            if q is None:
+                self._forward_udp(pod, sock, data, peer)
+                continue
+            want = wanted(q.name, self.mesh_domain)
+            cached = self.cached(want) if want is not None else (None,)
+            if cached is None:  # ask the agent first
+                asyncio.ensure_future(self._udp_query(pod, sock, data, peer, q))
+                continue
+            self._udp_decided(pod, sock, data, peer, q, want, cached[0])
+
+    def _udp_decided(self, pod: PodDns, sock: socket.socket, data: bytes, peer: Any,
+                     q: wire.Question, want: tuple[str, str, str] | None, found: Any) -> None:
+        if want is not None and want[0] == "hold":
+            self._forward_udp(pod, sock, data, peer)
+            return
+        verdict = decide(q.name, q.qtype, q.qclass, self.mesh_domain,
+                         lambda _ns, _n: found, lambda _ns, _n: found)
+        if verdict.forward:
+            self._forward_udp(pod, sock, data, peer)
+            return
+        pod.counts[verdict.kind] += 1
+        _send(sock, wire.response(q, verdict.rcode, verdict.addresses), peer)
 
     async def _udp_query(self, pod: PodDns, sock: socket.socket, data: bytes,
-                         peer: tuple[Any, ...]) -> None:
+                         peer: tuple[Any, ...], q: wire.Question) -> None:
         self.active += 1
         try:
-            await self._udp_answer(pod, sock, data, peer)
+            want = wanted(q.name, self.mesh_domain)
+            assert want is not None
+            try:
+                found = await self.lookup(*want)
+            except (OSError, TimeoutError):  # the agent did not answer
+                if want[0] == "hold":  # a standard name: forwarded all the same
+                    self._forward_udp(pod, sock, data, peer)
+                    return
+                pod.counts["servfail"] += 1  # a mesh name: the pod's resolver retries
+                _send(sock, wire.response(q, wire.RCODE_SERVFAIL, authoritative=False), peer)
+                return
+            self._udp_decided(pod, sock, data, peer, q, want, found)
         finally:
             self.active -= 1
 
-    async def _udp_answer(self, pod: PodDns, sock: socket.socket, data: bytes,
-                          peer: tuple[Any, ...]) -> None:
-        try:
-            q = wire.parse_query(data)
-        except wire.MalformedQuery:
-            q = None
-        if q is not None:
-            try:
-                verdict = await self._verdict(q)
-            except (OSError, TimeoutError):  # the agent did not answer: the pod retries
-                pod.counts["servfail"] += 1
-                _send(sock, wire.response(q, wire.RCODE_SERVFAIL, authoritative=False), peer)
-                return
-            if not verdict.forward:
-                pod.counts[verdict.kind] += 1
-                _send(sock, wire.response(q, verdict.rcode, verdict.addresses), peer)
-                return
-        # forwarded unchanged, even what this server cannot read: it is the pod's business
-        # with its resolver
+    def _forward_udp(self, pod: PodDns, sock: socket.socket, data: bytes, peer: Any) -> None:
+        """Unchanged, even what this server cannot read (the pod's business with its
+        resolver), to the destination the pod sent it to, from the pod's netns; the first
+        datagram back with the query's ID goes to the pod unchanged. Callbacks, no task."""
         assert pod.conntrack is not None
         try:
             local = sock.getsockname()
@@ -241,31 +284,55 @@ class DnsServer:
             if reply is not None:
                 _send(sock, reply, peer)
             return
-        pod.inflight += 1
-        up: socket.socket | None = None
-        loop = asyncio.get_running_loop()
         try:
-            family = socket.AF_INET6 if ":" in dst[0] else socket.AF_INET
-            up = self._upstream(pod, family, socket.SOCK_DGRAM)
-            await loop.sock_connect(up, dst)
-            await loop.sock_sendall(up, data)
-            want = wire.query_id(data)
-            async with asyncio.timeout(self.timeout):
-                while True:
-                    answer = await loop.sock_recv(up, 65535)
-                    if wire.query_id(answer) == want:
-                        break
-            pod.counts["forwarded"] += 1
-            _send(sock, answer, peer)
-        except TimeoutError:
-            pod.counts["upstream_timeouts"] += 1
+            up = self._upstream(pod, socket.AF_INET6 if ":" in dst[0] else socket.AF_INET,
+                                socket.SOCK_DGRAM)
         except OSError as e:
             pod.counts["upstream_errors"] += 1
+            log.debug("%s: no upstream socket: %s", pod.key, e)
+            return
+        try:
+            up.connect(dst)  # UDP: no round trip; picks the source port
+            up.send(data)
+        except OSError as e:
+            up.close()
+            pod.counts["upstream_errors"] += 1
             log.debug("%s: forwarding to %s: %s", pod.key, dst, e)
-        finally:
+            return
+        loop = asyncio.get_running_loop()
+        want = wire.query_id(data)
+        pod.inflight += 1
+        self.active += 1
+        fd = up.fileno()
+
+        def finish(kind: str) -> None:
+            loop.remove_reader(fd)
+            timer.cancel()
+            up.close()
             pod.inflight -= 1
-            if up is not None:
-                up.close()
+            self.active -= 1
+            pod.counts[kind] += 1
+
+        def on_reply() -> None:
+            try:
+                answer = up.recv(65535)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. ICMP port unreachable: the pod's resolver retries
+                log.debug("%s: forwarding to %s: %s", pod.key, dst, e)
+                finish("upstream_errors")
+                return
+            if wire.query_id(answer) != want:
+                return
+            _send(sock, answer, peer)
+            finish("forwarded")
+
+        timer = loop.call_later(self.timeout, finish, "upstream_timeouts")
+        loop.add_reader(fd, on_reply)
+
+    def cached(self, want: tuple[str, str, str]) -> tuple[Any] | None:
+        """The agent's cached answer for ``want`` as a 1-tuple, or None (ask it)."""
+        return self._cached(want) if self._cached is not None else None
 
     async def _on_tcp(self, pod: PodDns, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
@@ -395,8 +462,10 @@ class Control:
         self.chan = chan
         self.chan.setblocking(False)
         self.waiting: dict[int, asyncio.Future[Any]] = {}
+        self.cache: dict[tuple[str, str, str], tuple[float, Any]] = {}
         self.seq = 0
         self.server = DnsServer(lookup=self.lookup, **server_args)
+        self.server._cached = self.cached
         self.done = asyncio.Event()
         # told by an agent that stops for a restart: outlive it, serving its pods (mesh
         # names get SERVFAIL, forwarding goes on) until the next agent's DNS serves them
@@ -404,19 +473,37 @@ class Control:
         self.linger = False
         self.orphaned = False
 
+    def cached(self, want: tuple[str, str, str]) -> tuple[Any] | None:
+        hit = self.cache.get(want)
+        if hit is not None and hit[0] > asyncio.get_running_loop().time():
+            return (hit[1],)
+        return None
+
     async def lookup(self, kind: str, ns: str, name: str) -> Any:
+        """The agent's answer, kept ``CACHE_S`` (the TTL the answers carry): a name asked
+        again meanwhile costs no round trip (nor a second hold of its first call)."""
+        loop = asyncio.get_running_loop()
+        key = (kind, ns, name)
+        hit = self.cache.get(key)
+        if hit is not None and hit[0] > loop.time():
+            return hit[1]
         if self.orphaned:
             raise OSError("no agent to ask")
         self.seq += 1
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiting[self.seq] = fut
-        self._send({"op": "lookup", "seq": self.seq, "kind": kind, "ns": ns, "name": name})
+        seq = self.seq
+        fut: asyncio.Future[Any] = loop.create_future()
+        self.waiting[seq] = fut
+        self._send({"op": "lookup", "seq": seq, "kind": kind, "ns": ns, "name": name})
         try:
             async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                 got = await fut
         finally:
-            self.waiting.pop(self.seq, None)
-        return None if got is None else tuple(got)
+            self.waiting.pop(seq, None)
+        found = None if got is None else tuple(got)
+        if len(self.cache) >= CACHE_MAX:
+            self.cache.clear()
+        self.cache[key] = (loop.time() + CACHE_S, found)
+        return found
 
     def _send(self, msg: dict[str, Any]) -> None:
         try:
