@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from agent.common.config import MESH_PORT, NodeConfig
+from agent.common.config import NodeConfig
 from agent.envoy.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -221,7 +221,7 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
 
     server = XdsServer(os.path.join(tempfile.gettempdir(), "bench-xds-unused.sock"))
     fake = FakeEnvoy(server)
-    state = NodeXdsState(mesh_port=MESH_PORT, pods=tuple(cl.local), services=views)
+    state = NodeXdsState(pods=tuple(cl.local), services=views)
     t_build, res = timed(lambda: server._builder.build(state))
     server._builder = type(server._builder)()  # the publish below rebuilds from scratch
     t_full, _ = timed(lambda: fake.publish(state))
@@ -239,7 +239,7 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
     add, rm = [], []
     for r in range(reps):
         extra = cl.pod_listener(10_000 + r, cl.namespaces[r % namespaces])
-        st_add = NodeXdsState(mesh_port=MESH_PORT, pods=state.pods + (extra,), services=views)
+        st_add = NodeXdsState(pods=state.pods + (extra,), services=views)
         add.append(timed(lambda s=st_add: fake.publish(s))[0])  # type: ignore[misc]
         rm.append(timed(lambda: fake.publish(state))[0])
     out["pod_add_ms"] = median_ms(add)
@@ -249,7 +249,7 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
     new_ns = []
     for r in range(reps):
         extra = cl.pod_listener(20_000 + r, f"fresh{r}")
-        st_add = NodeXdsState(mesh_port=MESH_PORT, pods=state.pods + (extra,), services=views)
+        st_add = NodeXdsState(pods=state.pods + (extra,), services=views)
         new_ns.append(timed(lambda s=st_add: fake.publish(s))[0])  # type: ignore[misc]
         fake.publish(state)
     out["pod_add_new_namespace_ms"] = median_ms(new_ns)
@@ -259,13 +259,13 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
     for r in range(reps):
         def flip(r: int = r) -> NodeXdsState:
             cl.endpoint_flip(r, ready=False)
-            return NodeXdsState(mesh_port=MESH_PORT, pods=state.pods, services=cl.views())
+            return NodeXdsState(pods=state.pods, services=cl.views())
         t_model_views, st2 = timed(flip)
         t_pub, _ = timed(lambda s=st2: fake.publish(s))  # type: ignore[misc]
         eps.append(t_model_views + t_pub)
         eps_pub.append(t_pub)
         cl.endpoint_flip(r, ready=True)
-        fake.publish(NodeXdsState(mesh_port=MESH_PORT, pods=state.pods, services=cl.views()))
+        fake.publish(NodeXdsState(pods=state.pods, services=cl.views()))
     out["service_endpoints_change_ms"] = median_ms(eps_pub)
     out["service_endpoints_change_with_model_ms"] = median_ms(eps)
 
@@ -273,7 +273,7 @@ def run_one(services: int, pods: int, namespaces: int, reps: int) -> dict[str, A
     for _ in range(reps):
         def add_svc() -> NodeXdsState:
             cl.add_service()
-            return NodeXdsState(mesh_port=MESH_PORT, pods=state.pods, services=cl.views())
+            return NodeXdsState(pods=state.pods, services=cl.views())
         t_mv, st3 = timed(add_svc)
         t_pub, _ = timed(lambda s=st3: fake.publish(s))  # type: ignore[misc]
         adds.append(t_mv + t_pub)
@@ -319,9 +319,9 @@ def run_envoy(services: int, pods: int, namespaces: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         sup.start()
-        v = server.set_state(NodeXdsState(mesh_port=MESH_PORT, pods=(), services=()))
+        v = server.set_state(NodeXdsState(pods=(), services=()))
         server.wait_acked(v, 30)
-        state = NodeXdsState(mesh_port=MESH_PORT, pods=tuple(local), services=views)
+        state = NodeXdsState(pods=tuple(local), services=views)
         t0 = time.perf_counter()
         v = server.set_state(state)
         ok = server.wait_acked(v, 300)
@@ -330,8 +330,7 @@ def run_envoy(services: int, pods: int, namespaces: int) -> dict[str, Any]:
         add = []
         for _ in range(3):
             t0 = time.perf_counter()
-            v = server.set_state(NodeXdsState(mesh_port=MESH_PORT, pods=state.pods + (extra,),
-                                              services=views))
+            v = server.set_state(NodeXdsState(pods=state.pods + (extra,), services=views))
             ok = server.wait_acked(v, 60)
             add.append(time.perf_counter() - t0 if ok else float("nan"))
             v = server.set_state(state)

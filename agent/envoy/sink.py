@@ -155,6 +155,10 @@ class EnvoySink(SharedPublish, PodBook, ListenerTracking, EnvoyProcess, EnvoySta
         self._authz: dict[str, tuple[Policy, ...]] = {}
         self._pod_keys: dict[str, str] = {}  # container id -> pod key
         self._pod_labels: dict[str, dict[str, str]] = {}  # as its ADD read them
+        # the captured pods in scoped capture (only the mesh port redirected): while there
+        # is one, each Service's HTTP port is served on the mesh port too (its chains cost
+        # as much again as the real ports': not built for a node of redirect-all pods)
+        self._scoped: set[str] = set()
         self.authz_for: Callable[[str, dict[str, str]], tuple[Policy, ...]] | None = None
         self.xds.inbound.resolve = self._identity_of_listener
         # pods whose listener Envoy rejected, withdrawn from the config: cid -> Envoy's reason
@@ -291,6 +295,8 @@ class EnvoySink(SharedPublish, PodBook, ListenerTracking, EnvoyProcess, EnvoySta
             self._pod_keys[pod.container_id] = pod.key
             if pod.labels is not None:
                 self._pod_labels[pod.container_id] = dict(pod.labels)
+            if not pod.policy.redirect_all:
+                self._scoped.add(pod.container_id)
         if self.identity is not None:
             # issued before the listeners that name it: Envoy gets the secret first
             self.identity.attach(listener.identity, pod.key)
@@ -319,6 +325,7 @@ class EnvoySink(SharedPublish, PodBook, ListenerTracking, EnvoyProcess, EnvoySta
             self._rejected.pop(pod.container_id, None)
             self._pod_keys.pop(pod.container_id, None)
             self._pod_labels.pop(pod.container_id, None)
+            self._scoped.discard(pod.container_id)
             gone = self._pods.pop(pod.container_id, None)
             if gone is None:
                 return

@@ -47,6 +47,7 @@ class SharedPublish:
     _lock: threading.Lock
     _stopping: threading.Event
     _pods: dict[str, PodListener]
+    _scoped: set[str]  # the scoped pods (EnvoySink)
     _rejected: dict[str, str]
     _services: tuple[Any, ...]
     _gamma: GammaResult | None
@@ -85,7 +86,7 @@ class SharedPublish:
                              mesh_tls=self.identity.mesh_tls() if self.identity else None,
                              resilience=self.resilience,
                              traffic_metrics=self.traffic_metrics,
-                             mesh_port=self.node.mesh_port)
+                             mesh_port=self.node.mesh_port if self._scoped else None)
         return self.xds.set_state(state)
 
     def _publish_shared(self, container_id: str, listener: PodListener,
