@@ -125,11 +125,16 @@ class Bench:
         pool_map(one, level.pods, min(8, 4 * (os.cpu_count() or 1)), "sandbox")
 
     def node_config(self) -> NodeConfig:
-        """The node settings that shape the rules: the proxy cgroup the running agent found."""
+        """The node settings that shape the rules: the proxy cgroup the running agent found,
+        and its DNS capture (on by default: the rules then send port 53 to the pod DNS)."""
         if self._node is None:
-            ci = self.agent.status().get("capture_integrity") or {}
+            st = self.agent.status()
+            ci = st.get("capture_integrity") or {}
+            dns = st.get("dns")
             self._node = NodeConfig(proxy_cgroup=ci.get("cgroup"),
-                                    proxy_cgroup_level=int(ci.get("level") or 0))
+                                    proxy_cgroup_level=int(ci.get("level") or 0),
+                                    dns_capture=dns is not None,
+                                    dns_port=int((dns or {}).get("port") or 15053))
         return self._node
 
     def ruleset_file(self, pod: Pod) -> str:

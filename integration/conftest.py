@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -367,6 +368,17 @@ def enode(workdir: str, bridge_name: str) -> Iterator[EnvoyNode]:
         yield n
 
 
+
+
+def stop_kept_envoy(node: EnvoyNode, keeper: int) -> None:
+    """The end of a test whose agent stops with ``--envoy-on-exit keep``: pods cleaned, the
+    agent stopped, then the Envoy it kept (its keeper ``keeper``, 0 if never read)."""
+    import psutil
+    node.cleanup()
+    node.agent.stop()
+    if keeper and psutil.pid_exists(keeper):
+        os.kill(keeper, signal.SIGTERM)
+        psutil.Process(keeper).wait(10)
 
 
 def until(pred: Any, what: str, timeout: float = 20.0) -> Any:

@@ -23,7 +23,7 @@ from agent.netns.nft import list_table_text
 from agent.testing.dns_double import ClusterDns, addresses, ask
 from agent.testing.kubelet import Pod
 from agent.testing.netutil import http_echo_server, http_get_from
-from integration.conftest import EnvoyNode, running, until
+from integration.conftest import EnvoyNode, running, stop_kept_envoy, until
 
 pytestmark = [pytest.mark.integration]
 
@@ -297,8 +297,4 @@ def test_a_restart_hands_the_pod_dns_over_without_a_lost_query(
     finally:
         if dns is not None:
             dns.close()
-        n.cleanup()
-        n.agent.stop()
-        if keeper and psutil.pid_exists(keeper):
-            os.kill(keeper, signal.SIGTERM)
-            psutil.Process(keeper).wait(10)
+        stop_kept_envoy(n, keeper)

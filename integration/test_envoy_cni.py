@@ -18,7 +18,7 @@ import pytest
 from agent.netns import nft
 from agent.netns.enter import run_in_netns
 from agent.testing.netutil import dial, host_server
-from integration.conftest import GW4, GW6, EnvoyNode
+from integration.conftest import GW4, GW6, EnvoyNode, stop_kept_envoy
 from integration.taps import carried, tap
 
 
@@ -362,8 +362,4 @@ def test_graceful_agent_restart_keeps_envoy_serving(workdir: str, bridge_name: s
         assert around.counts() == {"proxy": 2, "other": 0}
     finally:
         tcp.close()
-        n.cleanup()
-        n.agent.stop()
-        if keeper and psutil.pid_exists(keeper):
-            os.kill(keeper, signal.SIGTERM)
-            psutil.Process(keeper).wait(10)
+        stop_kept_envoy(n, keeper)

@@ -101,3 +101,11 @@ def test_names_out_of_the_mesh_are_not_held() -> None:
     rt = _runtime(_Sink())
     assert rt.name_lookup("service", "app", "nope") is None
     assert not rt.bring_into_scope("app/nope") and rt.held_total == 0
+
+
+def test_without_a_proxy_nothing_is_held() -> None:
+    rt = _runtime(_Sink())
+    rt.sink = None  # --no-envoy: the mesh model publishes to nobody
+    started = time.monotonic()
+    assert rt.name_lookup("service", "app", "echo") == ("10.96.0.7",)
+    assert time.monotonic() - started < 0.5 and rt.held_total == 0

@@ -276,8 +276,8 @@ class MeshRuntime:
         once it is, False for a Service out of the mesh or past ``hold_s`` (counted)."""
         if key in self._published_keys:
             return True
-        if not self.model.learn_service(key):
-            return False
+        if self.sink is None or not self.model.learn_service(key):
+            return False  # no proxy to wait for (--no-envoy), or not a mesh Service
         self.held_total += 1
         deadline = time.monotonic() + hold_s
         self._dirty.set()
