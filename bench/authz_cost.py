@@ -114,6 +114,10 @@ def _authz_node(workdir: str, tag: str, net: int, extra: tuple[str, ...], probe_
     srv: ServerEnvoy | None = None
     try:
         agent.start()
+        # Envoy first (under callgrind it takes ~20 s to boot): an ADD waits for its ACK, and
+        # the CNI shim gives up after 30 s
+        _wait(lambda: bool((agent.status().get("envoy") or {}).get("ready")), timeout,
+              "the node Envoy never became ready")
         for p in (server, client, outsider):
             kubelet.add(p)
             pods.append(p)
