@@ -72,8 +72,9 @@ def _attrs(data: bytes) -> dict[int, bytes]:
     return out
 
 
-def decode_original_dst(reply: bytes, seq: int) -> Address:
-    """The original destination in a CT GET's answer; NoEntry or OSError otherwise."""
+def decode_original_dst(reply: bytes, seq: int) -> Address | None:
+    """The original destination in a CT GET's answer; NoEntry or OSError for the kernel's
+    error; None when ``reply`` holds nothing for ``seq`` (a late answer to an earlier GET)."""
     at = 0
     while at + _NLMSG.size <= len(reply):
         length, kind, _flags, got_seq, _pid = _NLMSG.unpack_from(reply, at)
@@ -100,7 +101,7 @@ def decode_original_dst(reply: bytes, seq: int) -> Address:
             raise NoEntry("the conntrack entry has no original destination")
         family = socket.AF_INET6 if len(raw) == 16 else socket.AF_INET
         return socket.inet_ntop(family, raw), struct.unpack("!H", port[:2])[0]
-    raise NoEntry("no answer for the lookup")
+    return None
 
 
 class Conntrack:
@@ -120,12 +121,10 @@ class Conntrack:
             self._seq = (self._seq + 1) & 0xFFFFFFFF
             seq = self._seq
             self._sock.send(encode_get(local, peer, seq))
-            while True:
-                try:
-                    return decode_original_dst(self._sock.recv(65536), seq)
-                except NoEntry as e:
-                    if "no answer" not in str(e):
-                        raise
+            while True:  # until the answer to this GET (a socket timeout ends it)
+                got = decode_original_dst(self._sock.recv(65536), seq)
+                if got is not None:
+                    return got
 
     def close(self) -> None:
         self._sock.close()

@@ -196,6 +196,7 @@ class DnsServer:
 
     # ---- answering -----------------------------------------------------------------
     async def _verdict(self, q: wire.Question) -> Verdict:
+        """The TCP path's verdict: the agent asked first when the name needs it."""
         want = wanted(q.name, self.mesh_domain)
         if want is not None and want[0] == "hold":
             try:  # readies the Service for the call that follows; the query is forwarded
@@ -203,7 +204,14 @@ class DnsServer:
             except (OSError, TimeoutError):
                 pass
             return FORWARD
-        found = await self.lookup(*want) if want is not None else None
+        return self._decided(q, want, await self.lookup(*want) if want is not None else None)
+
+    def _decided(self, q: wire.Question, want: tuple[str, str, str] | None,
+                 found: Any) -> Verdict:
+        """What to do with ``q`` once the lookup ``want`` (``wanted``'s) gave ``found``: a
+        standard name (``hold``) is forwarded, everything else as ``decide`` says."""
+        if want is not None and want[0] == "hold":
+            return FORWARD
         return decide(q.name, q.qtype, q.qclass, self.mesh_domain,
                       lambda _ns, _n: found, lambda _ns, _n: found)
 
@@ -228,17 +236,14 @@ class DnsServer:
             want = wanted(q.name, self.mesh_domain)
             cached = self.cached(want) if want is not None else (None,)
             if cached is None:  # ask the agent first
-                asyncio.ensure_future(self._udp_query(pod, sock, data, peer, q))
+                assert want is not None
+                asyncio.ensure_future(self._udp_query(pod, sock, data, peer, q, want))
                 continue
             self._udp_decided(pod, sock, data, peer, q, want, cached[0])
 
     def _udp_decided(self, pod: PodDns, sock: socket.socket, data: bytes, peer: Any,
                      q: wire.Question, want: tuple[str, str, str] | None, found: Any) -> None:
-        if want is not None and want[0] == "hold":
-            self._forward_udp(pod, sock, data, peer)
-            return
-        verdict = decide(q.name, q.qtype, q.qclass, self.mesh_domain,
-                         lambda _ns, _n: found, lambda _ns, _n: found)
+        verdict = self._decided(q, want, found)
         if verdict.forward:
             self._forward_udp(pod, sock, data, peer)
             return
@@ -246,11 +251,10 @@ class DnsServer:
         _send(sock, wire.response(q, verdict.rcode, verdict.addresses), peer)
 
     async def _udp_query(self, pod: PodDns, sock: socket.socket, data: bytes,
-                         peer: tuple[Any, ...], q: wire.Question) -> None:
+                         peer: tuple[Any, ...], q: wire.Question,
+                         want: tuple[str, str, str]) -> None:
         self.active += 1
         try:
-            want = wanted(q.name, self.mesh_domain)
-            assert want is not None
             try:
                 found = await self.lookup(*want)
             except (OSError, TimeoutError):  # the agent did not answer
