@@ -33,6 +33,7 @@ from agent.dns import wire
 from agent.netns.enter import run_in_netns
 from agent.testing.dns_double import ClusterDns, build_query
 from bench.common import AgentProc, Kubelet, Pod, bench_cli, progress, teardown_node
+from bench.mesh_mtls import _spread
 
 NS = "bench"
 SVC_IP = "10.96.215.10"
@@ -86,10 +87,6 @@ def batch(netns: str, server: str, name: str, n: int) -> list[float]:
 def _cpu(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system)
-
-
-def _spread(values: list[float]) -> list[float]:
-    return [round(min(values), 1), round(max(values), 1)]
 
 
 def run(rounds: int, duration: float, workdir: str, queries: int = QUERIES) -> dict[str, Any]:
